@@ -1,0 +1,59 @@
+"""reward.py - RLVER's verifiable emotion reward and the think-then-say format check.
+
+RLVER (arXiv 2507.03112, Sec. 2.3): the reward of a whole dialogue is the simulated user's
+final emotion divided by 100, a number in [0, 1] that the environment (not a learned reward
+model) produces, hence "verifiable". With the think-then-say scaffold the policy must write
+`<think>...</think>` and then its reply in every turn; a turn that breaks the format makes the
+dialogue's reward 0.
+
+Optional shaping (off by default, not in the paper): add `shaping_coef` x the mean per-turn
+emotion change / 100, a denser signal for very short runs.
+"""
+from __future__ import annotations
+
+import re
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_THINK = re.compile(r"^\s*<think>(.*?)</think>(.*)$", re.S)
+
+
+def split_think(text: str) -> tuple[str, str, bool]:
+    """Split a think-then-say turn into (thought, spoken reply, format_ok).
+
+    The format holds when the text is `<think>` + a non-empty thought + `</think>` + a non-empty
+    reply, with each tag exactly once. When it does not hold, the whole text (tags removed) is
+    treated as the reply, so the user still sees something sensible."""
+    m = _THINK.match(text)
+    if m and text.count(THINK_OPEN) == 1 and text.count(THINK_CLOSE) == 1:
+        thought, reply = m.group(1).strip(), m.group(2).strip()
+        return thought, reply, bool(thought) and bool(reply)
+    return "", text.replace(THINK_OPEN, "").replace(THINK_CLOSE, "").strip(), False
+
+
+def format_ok(text: str, think: bool) -> bool:
+    """think=True: the think-then-say format holds. think=False: a non-empty reply with no
+    think tags (a policy told not to think must not emit them)."""
+    if think:
+        return split_think(text)[2]
+    return bool(text.strip()) and THINK_OPEN not in text and THINK_CLOSE not in text
+
+
+def emotion_reward(state) -> float:
+    """Final emotion / 100, in [0, 1]. `state` is a simulator.UserState (anything with .emotion)."""
+    return max(0.0, min(1.0, state.emotion / 100.0))
+
+
+def dialogue_reward(state, agent_texts: list[str], think: bool, shaping_coef: float = 0.0) -> float:
+    """The reward of one dialogue: 0 if any agent turn broke the format (paper Sec. 2.3), else
+    the emotion reward, plus optional per-turn shaping. A dialogue that ended in
+    `simulator_error` has no meaningful reward: callers must leave it out of the loss (the
+    rollout flags it); we raise rather than score it as 0."""
+    if getattr(state, "outcome", None) == "simulator_error":
+        raise ValueError("a simulator_error dialogue has no reward; exclude it from the loss")
+    if not all(format_ok(t, think) for t in agent_texts):
+        return 0.0
+    r = emotion_reward(state)
+    if shaping_coef:
+        deltas = [t["change"] for t in getattr(state, "trace", []) if "change" in t]
+        r += shaping_coef * (sum(deltas) / len(deltas) / 100.0 if deltas else 0.0)
+    return r

@@ -1,0 +1,389 @@
+"""rollout.py - multi-turn dialogues between the policy and the simulated user -> a training Batch.
+
+RLVER (arXiv 2507.03112, Sec. 2) optimises a policy over whole conversations: the agent speaks,
+the simulated user appraises and answers (simulator.py), for up to 8 turns, and the final
+emotion / 100 is the reward of the whole dialogue (reward.py). This file:
+
+  1. builds the agent's system prompt, with or without the think-then-say scaffold (Sec. 3.2);
+  2. plays B scenarios x G samples at once: each turn is ONE batched `generate` over all active
+     dialogues (left-padded, KV cache on), then ONE concurrent `Simulator.step_many`;
+  3. keeps token ids exactly as sampled ("token-in, token-out"): the sequence we train on is the
+     sequence we sampled, never a re-tokenisation of decoded text (re-tokenising drifts, e.g. a
+     duplicated `<think>` or a missing "\n" after `<|im_end|>`). User turns are appended as the
+     chat template renders them (a template "delta" after the sampled end-of-turn token);
+  4. marks `loss_mask` = 1 exactly on the tokens the policy sampled (its end-of-turn token too),
+     0 on system/user text and template headers;
+  5. computes per-token log-probs of the sampled tokens (old policy, and reference when KL > 0).
+
+Two ways to cut a dialogue into training samples:
+  * default, one sequence per dialogue: the whole conversation is one row; the policy's later
+    turns see its own earlier *thoughts* in context (the context is exactly what was sampled).
+  * `per_turn_samples=True`, the paper's think-mode variant: every agent turn is its own row
+    (prompt = the dialogue so far, response = that turn) and gets the dialogue's final reward.
+    Only here can earlier thoughts be dropped from the context (`drop_thoughts`, as the paper
+    does), because each row's prompt is rebuilt turn by turn.
+
+`make_tiny_policy()` builds a tiny random Qwen2-architecture model and a byte-level tokenizer
+with a Qwen-style chat template, offline, for tests and the CPU preset.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from reward import dialogue_reward, format_ok, split_think  # noqa: F401  (split_think re-exported)
+
+SYSTEM_PROMPTS = {
+    ("en", False): (
+        "You are chatting with a friend who is going through something hard. Your aim is to "
+        "help them feel better: listen, understand what they feel and what they need from you, "
+        "and answer warmly and naturally, like a person, in a few sentences."),
+    ("en", True): (
+        "You are chatting with a friend who is going through something hard. Your aim is to "
+        "help them feel better. Before each reply, think privately about how they feel, what "
+        "they really need and how to answer, inside <think> and </think>; then write what you "
+        "say to them: warm, natural, a few sentences. Your friend only sees what comes after "
+        "</think>. Format: <think>your thinking</think>your reply"),
+    ("zh", False): "你在和一位正经历难关的朋友聊天。你的目标是让对方感觉好起来：倾听，理解对方的感受和真正需要，"
+                   "像真人一样温暖自然地用几句话回应。",
+    ("zh", True): "你在和一位正经历难关的朋友聊天。你的目标是让对方感觉好起来。每次回复前，先在<think>和</think>之间"
+                  "私下思考对方的感受、真正的需要以及如何回应；然后写出你要说的话：温暖、自然、几句话。对方只能看到"
+                  "</think>之后的内容。格式：<think>你的思考</think>你的回复",
+}
+
+
+def build_system_prompt(think: bool, language: str = "en") -> str:
+    """The agent's system prompt (our own words). Always passed explicitly: without a system
+    message Qwen2.5's template injects its default "You are Qwen..." line."""
+    return SYSTEM_PROMPTS[(language, bool(think))]
+
+
+@dataclass
+class GenConfig:
+    max_new_tokens: int = 256       # per agent turn
+    max_total_tokens: int = 4096    # per dialogue; a dialogue that would exceed it stops early
+    temperature: float = 1.0        # paper: 1.0 for training rollouts
+    top_p: float = 1.0              # keep 1.0 for training: old log-probs assume plain sampling
+    per_turn_samples: bool = False  # paper's think variant: each agent turn is its own sample
+    drop_thoughts: bool = True      # per-turn mode only: hide earlier thoughts from the context
+    shaping_coef: float = 0.0       # optional per-turn reward shaping (reward.py), off = paper
+    logprob_batch_size: int = 8     # rows per forward pass when computing log-probs
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor              # [N, T] right-padded
+    attention_mask: torch.Tensor         # [N, T]
+    loss_mask: torch.Tensor              # [N, T] 1 on policy-sampled tokens
+    rewards: torch.Tensor                # [N] float
+    group_ids: torch.Tensor              # [N] rows with the same id share a scenario (GRPO)
+    dialogue_ids: torch.Tensor           # [N] rows with the same id come from one dialogue
+    old_logprobs: torch.Tensor | None = None  # [N, T] log p_old(token t | < t), 0 at masked
+    ref_logprobs: torch.Tensor | None = None  # [N, T] or None when kl_coef == 0
+    metrics: list[dict] = field(default_factory=list)  # per dialogue (simulator_error ones too)
+
+    def __len__(self):
+        return self.input_ids.shape[0]
+
+    def select(self, idx) -> "Batch":
+        """Rows `idx` (a LongTensor or list), trimmed to their longest row: for minibatches."""
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.input_ids.device)
+        T = int(self.attention_mask[idx].sum(1).max()) if len(idx) else 0
+        cut = lambda x: None if x is None else x[idx][:, :T] if x.dim() == 2 else x[idx]  # noqa: E731
+        return dataclasses.replace(self, **{f.name: cut(getattr(self, f.name)) for f in dataclasses.fields(self)
+                                            if f.name != "metrics"})
+
+    def to(self, device) -> "Batch":
+        mv = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return dataclasses.replace(self, **{f.name: mv(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+
+# --------------------------------------------------------------------------------------------
+# Log-probs of given tokens, aligned to input positions.
+# --------------------------------------------------------------------------------------------
+def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
+                   micro_batch: int | None = None, return_entropy: bool = False):
+    """out[n, t] = log p(input_ids[n, t] | input_ids[n, <t]) (position 0 and padding = 0).
+
+    The logits tensor (rows x length x vocab, 151k for Qwen) dominates memory, so rows go
+    through the model `micro_batch` at a time and log-softmax runs in float32 on one row at a
+    time. Logits are divided by the sampling temperature so these are the log-probs of the
+    distribution we actually sampled from. Differentiable (no no_grad here)."""
+    N, T = input_ids.shape
+    micro_batch = micro_batch or N
+    lps, ents = [], []
+    for s in range(0, N, micro_batch):
+        ids, am = input_ids[s:s + micro_batch], attention_mask[s:s + micro_batch]
+        logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits[:, :-1]
+        for r in range(ids.shape[0]):  # one row at a time in float32 bounds peak memory
+            lg = logits[r].float() / temperature
+            logp = F.log_softmax(lg, dim=-1)
+            lp = logp.gather(-1, ids[r, 1:, None]).squeeze(-1)
+            lps.append(F.pad(lp, (1, 0)))
+            if return_entropy:
+                ents.append(F.pad(-(logp.exp() * logp).sum(-1), (1, 0)))
+    mask = attention_mask.to(torch.bool)
+    lp = torch.stack(lps) * mask
+    if return_entropy:
+        return lp, torch.stack(ents) * mask
+    return lp
+
+
+# --------------------------------------------------------------------------------------------
+# Chat-template pieces as token ids.
+# --------------------------------------------------------------------------------------------
+def prompt_ids(tokenizer, system: str, first_user: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                          {"role": "user", "content": first_user}],
+                                         tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def user_turn_ids(tokenizer, system: str, user_text: str, eos_id: int) -> list[int]:
+    """Ids that follow a sampled end-of-turn token: the template's tail after `<|im_end|>`
+    (Qwen: "\n"), the user turn, and the header of the next assistant turn. Rendered by the
+    chat template itself (diffing two renderings), so it is right for any template."""
+    eos = tokenizer.convert_ids_to_tokens(eos_id)
+    base = [{"role": "system", "content": system}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"}]
+    s1 = tokenizer.apply_chat_template(base, tokenize=False)
+    s2 = tokenizer.apply_chat_template(base + [{"role": "user", "content": user_text}],
+                                       tokenize=False, add_generation_prompt=True)
+    if not s2.startswith(s1) or ("a" + eos) not in s1:
+        raise ValueError("chat template does not render turns as a prefix; cannot build deltas")
+    tail = s1[s1.rindex("a" + eos) + len("a" + eos):]
+    return tokenizer.encode(tail + s2[len(s1):], add_special_tokens=False)
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The token that ends an assistant turn (Qwen: <|im_end|>)."""
+    tid = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return tid if isinstance(tid, int) and tid != tokenizer.unk_token_id else tokenizer.eos_token_id
+
+
+@torch.no_grad()
+def generate_turn(policy, contexts: list[list[int]], cfg: GenConfig, eos_id: int, pad_id: int):
+    """One batched generate over all active dialogues -> the sampled ids of each (cut after the
+    first end-of-turn token). Left padding so every row continues from its last real token."""
+    from transformers import GenerationConfig
+    B, L = len(contexts), max(len(c) for c in contexts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    for i, c in enumerate(contexts):
+        ids[i, L - len(c):] = torch.tensor(c)
+        attn[i, L - len(c):] = 1
+    sample = cfg.temperature > 0
+    # An explicit GenerationConfig replaces the model's own generation_config.json (Qwen ships
+    # top_k=20, top_p=0.8, repetition_penalty=1.05): training needs plain temperature sampling.
+    gc = GenerationConfig(do_sample=sample, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_id,
+                          pad_token_id=pad_id, use_cache=True, top_k=0 if sample else None,
+                          temperature=cfg.temperature if sample else None,
+                          top_p=cfg.top_p if sample else None)
+    out = policy.generate(input_ids=ids.to(policy.device), attention_mask=attn.to(policy.device),
+                          generation_config=gc)
+    turns = []
+    for row in out[:, L:].tolist():
+        turns.append(row[:row.index(eos_id) + 1] if eos_id in row else row)
+    return turns
+
+
+# --------------------------------------------------------------------------------------------
+# The rollout.
+# --------------------------------------------------------------------------------------------
+def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think: bool = True,
+            gen_cfg: GenConfig | None = None, ref_model=None, compute_logprobs: bool = True,
+            progress=None) -> Batch:
+    """Play len(scenarios) x group_size dialogues to the end and return a right-padded Batch.
+
+    Dialogues that end in `simulator_error` are reported in `metrics` (valid=False) and left out
+    of the Batch rows: they carry no reward signal (never a reward of 0)."""
+    cfg = gen_cfg or GenConfig()
+    eos_id = end_of_turn_id(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+
+    # One reset per scenario: the G samples of a group share the opening user message.
+    starts = simulator.reset_many(list(scenarios))
+    states, groups, systems = [], [], []
+    for g, st in enumerate(starts):
+        for _ in range(group_size):
+            states.append(dataclasses.replace(st, history=list(st.history), trace=list(st.trace)))
+            groups.append(g)
+            systems.append(build_system_prompt(think, st.scenario.language))
+    D = len(states)
+    ctx = [prompt_ids(tokenizer, systems[i], s.history[0]["content"]) if s.history else []
+           for i, s in enumerate(states)]
+    mask = [[0] * len(c) for c in ctx]  # loss mask of ctx (single-sequence mode)
+    samples = [[] for _ in range(D)]    # per-turn mode: (prompt ids, response ids) per turn
+    texts = [[] for _ in range(D)]      # decoded agent turns, for the format check
+    resp_lens = [[] for _ in range(D)]
+    stopped = [None] * D                # rollout-side stop reason ("max_tokens")
+
+    active = [i for i in range(D) if not states[i].done]
+    while active:
+        # The token budget: a dialogue that cannot fit another full turn stops here.
+        for i in list(active):
+            if len(ctx[i]) + cfg.max_new_tokens > cfg.max_total_tokens:
+                stopped[i] = "max_tokens"
+                active.remove(i)
+        if not active:
+            break
+        outs = generate_turn(policy, [ctx[i] for i in active], cfg, eos_id, pad_id)
+        replies = []
+        for i, toks in zip(active, outs):
+            text = tokenizer.decode(toks, skip_special_tokens=True)
+            texts[i].append(text)
+            resp_lens[i].append(len(toks))
+            reply = split_think(text)[1] if think else text.strip()
+            replies.append(reply or "...")  # only the spoken reply reaches the user
+            closed = toks[-1] == eos_id
+            samples[i].append((list(ctx[i]), list(toks)))
+            if cfg.per_turn_samples and cfg.drop_thoughts and think:
+                hist = tokenizer.encode(reply, add_special_tokens=False) + [eos_id]
+                ctx[i] += hist
+                mask[i] += [0] * len(hist)
+            else:
+                # The sampled ids, as sampled; a turn cut by max_new_tokens gets a forced
+                # end-of-turn token that the policy did not sample (mask 0).
+                ctx[i] += toks + ([] if closed else [eos_id])
+                mask[i] += [1] * len(toks) + ([] if closed else [0])
+        new_states = simulator.step_many([states[i] for i in active], replies)
+        for i, st in zip(active, new_states):
+            states[i] = st
+            if not st.done:
+                delta = user_turn_ids(tokenizer, systems[i], st.history[-1]["content"], eos_id)
+                ctx[i] += delta
+                mask[i] += [0] * len(delta)
+        active = [i for i in active if not states[i].done]
+        if progress is not None:
+            progress(sum(s.done or stopped[k] is not None for k, s in enumerate(states)), D)
+
+    # Rewards and per-dialogue metrics.
+    rows, metrics = [], []
+    for i, st in enumerate(states):
+        valid = st.outcome != "simulator_error"
+        r = dialogue_reward(st, texts[i], think, cfg.shaping_coef) if valid else float("nan")
+        violations = sum(not format_ok(t, think) for t in texts[i])
+        metrics.append({"scenario_id": st.scenario.id, "group": groups[i], "dialogue": i,
+                        "outcome": st.outcome or stopped[i], "turns": st.turn, "emotion": st.emotion,
+                        "emotion_trace": [starts[groups[i]].emotion] + [t["emotion_after"] for t in st.trace
+                                                                        if "emotion_after" in t],
+                        "format_violations": violations, "response_lengths": resp_lens[i],
+                        "reward": r, "valid": valid, "agent_texts": texts[i], "history": st.history})
+        if not valid or not texts[i]:
+            continue
+        if cfg.per_turn_samples:
+            for p, resp in samples[i]:
+                rows.append((p + resp, [0] * len(p) + [1] * len(resp), r, groups[i], i))
+        else:
+            # End after the last agent turn: a dangling user turn (token-budget stop) is not
+            # trained on; a forced end-of-turn token right after it is kept (mask 0).
+            end = max(k for k, m in enumerate(mask[i]) if m) + 1
+            end += end < len(ctx[i]) and ctx[i][end] == eos_id
+            rows.append((ctx[i][:end], mask[i][:end], r, groups[i], i))
+
+    batch = _collate(rows, pad_id, metrics)
+    if compute_logprobs and len(batch):
+        batch = add_logprobs(batch, policy, ref_model, cfg.temperature or 1.0, cfg.logprob_batch_size)
+    return batch
+
+
+def _collate(rows, pad_id, metrics) -> Batch:
+    N, T = len(rows), max((len(r[0]) for r in rows), default=0)
+    ids = torch.full((N, T), pad_id, dtype=torch.long)
+    am, lm = torch.zeros((N, T), dtype=torch.long), torch.zeros((N, T), dtype=torch.long)
+    for n, (x, m, *_rest) in enumerate(rows):
+        ids[n, :len(x)] = torch.tensor(x)
+        am[n, :len(x)] = 1
+        lm[n, :len(m)] = torch.tensor(m)
+    return Batch(input_ids=ids, attention_mask=am, loss_mask=lm,
+                 rewards=torch.tensor([r[2] for r in rows], dtype=torch.float32),
+                 group_ids=torch.tensor([r[3] for r in rows], dtype=torch.long),
+                 dialogue_ids=torch.tensor([r[4] for r in rows], dtype=torch.long), metrics=metrics)
+
+
+@torch.no_grad()
+def add_logprobs(batch: Batch, policy, ref_model=None, temperature: float = 1.0, micro_batch: int = 8) -> Batch:
+    """Old-policy (and reference) log-probs of the sampled tokens, computed once per rollout."""
+    dev = next(policy.parameters()).device
+    ids, am = batch.input_ids.to(dev), batch.attention_mask.to(dev)
+    old = token_logprobs(policy, ids, am, temperature, micro_batch).cpu()
+    ref = None
+    if ref_model is not None:
+        rdev = next(ref_model.parameters()).device
+        ref = token_logprobs(ref_model, ids.to(rdev), am.to(rdev), temperature, micro_batch).cpu()
+    return dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref)
+
+
+def rollout_stats(batch: Batch) -> dict:
+    """Scalar summaries of a rollout's dialogues (for logs)."""
+    ms = batch.metrics
+    ok = [m for m in ms if m["valid"]]
+    n = max(len(ok), 1)
+    lens = [l for m in ok for l in m["response_lengths"]]
+    turns_total = sum(len(m["response_lengths"]) for m in ok) or 1
+    return {
+        "reward": sum(m["reward"] for m in ok) / n,
+        "emotion": sum(m["emotion"] for m in ok) / n,
+        "success_rate": sum(m["emotion"] >= 100 for m in ok) / n,
+        "failure_rate": sum(m["emotion"] < 10 for m in ok) / n,
+        "turns": sum(m["turns"] for m in ok) / n,
+        "response_length": sum(lens) / max(len(lens), 1),
+        "format_violation_rate": sum(m["format_violations"] for m in ok) / turns_total,
+        "simulator_errors": len(ms) - len(ok),
+        "dialogues": len(ms),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# A tiny offline policy for tests and the CPU preset (no downloads).
+# --------------------------------------------------------------------------------------------
+TINY_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def make_tiny_tokenizer():
+    """A byte-level tokenizer (256 byte tokens, no merges) with Qwen's special tokens and a
+    Qwen-style chat template. `<think>` and `</think>` are single (non-special) tokens, as in
+    Qwen3, so a tiny model can learn the format; in Qwen2.5 they are plain text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+def make_tiny_policy(seed: int = 0, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                     attn_implementation: str = "sdpa"):
+    """(model, tokenizer): a random-init Qwen2-architecture causal LM sized for a CPU."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tok = make_tiny_tokenizer()
+    cfg = Qwen2Config(vocab_size=64 * ((len(tok) + 63) // 64), hidden_size=hidden_size,
+                      intermediate_size=4 * hidden_size, num_hidden_layers=num_layers,
+                      num_attention_heads=num_heads, num_key_value_heads=max(1, num_heads // 2),
+                      max_position_embeddings=8192, tie_word_embeddings=True,
+                      bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    cfg._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok

@@ -1,0 +1,253 @@
+import json
+
+import pytest
+import torch
+
+from rollout import (GenConfig, build_system_prompt, make_tiny_policy, make_tiny_tokenizer, rollout, rollout_stats,
+                     split_think, token_logprobs, user_turn_ids)
+from simulator import RuleBackend, Scenario, Simulator
+
+SC = [Scenario(id=f"s{i}", persona="p", background="Lost a job.", hidden_goal="g", goal_type="empathy",
+               first_message=f"I feel awful {i}.", personality_type="passive") for i in range(3)]
+
+# Qwen2.5-Instruct's chat template (tool branches omitted), with {% generation %} markers added
+# around what the assistant produces, so transformers can return the assistant-token mask.
+QWEN25_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}{% generation %}{{- message.content + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_policy(seed=0)
+
+
+class ScriptedPolicy:
+    """Stands in for a model: `generate` emits fixed texts (as ids) per call, so a test knows
+    exactly what was 'sampled'. Records what it returned."""
+    device = torch.device("cpu")
+
+    def __init__(self, tok, texts, truncate_at=None):
+        self.tok, self.texts, self.returned, self.truncate_at = tok, texts, [], truncate_at
+
+    def generate(self, input_ids, attention_mask, generation_config):
+        eos, pad = generation_config.eos_token_id, generation_config.pad_token_id
+        rows = []
+        for b in range(input_ids.shape[0]):
+            text = self.texts[len(self.returned) % len(self.texts)]
+            ids = self.tok.encode(text, add_special_tokens=False) + [eos]
+            ids = ids[:generation_config.max_new_tokens]
+            self.returned.append(ids)
+            rows.append(ids)
+        W = max(map(len, rows))
+        new = torch.tensor([r + [pad] * (W - len(r)) for r in rows])
+        return torch.cat([input_ids, new], 1)
+
+
+def sim(max_turns=3, **kw):
+    return Simulator(RuleBackend(seed=1), initial_emotion=40, max_turns=max_turns, **kw)
+
+
+def spans(mask_row):
+    """[(start, end)] of runs of 1s."""
+    out, start = [], None
+    for k, m in enumerate(mask_row + [0]):
+        if m and start is None:
+            start = k
+        if not m and start is not None:
+            out.append((start, k))
+            start = None
+    return out
+
+
+def test_stored_policy_ids_equal_generated_ids(tiny):
+    model, tok = tiny
+    returned = []
+    orig = model.generate
+    def rec(**kw):
+        out = orig(**kw)
+        L = kw["input_ids"].shape[1]
+        for row in out[:, L:].tolist():
+            returned.append(row[:row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
+        return out
+    model.generate = rec
+    try:
+        torch.manual_seed(0)
+        b = rollout(model, tok, sim(), SC, group_size=2, think=False,
+                    gen_cfg=GenConfig(max_new_tokens=24), compute_logprobs=False)
+    finally:
+        del model.generate
+    assert len(b) == 6
+    # Turn k of dialogue d was row d of the k-th generate call among still-active dialogues;
+    # all dialogues run the full 3 turns here (no success/failure with the rule user).
+    per_dialogue = [[] for _ in range(6)]
+    for k, ids in enumerate(returned):
+        per_dialogue[k % 6].append(ids)
+    for d in range(6):
+        row = b.input_ids[d].tolist()
+        got = []
+        for s, e in spans(b.loss_mask[d].tolist()):
+            got.append(row[s:e])
+        want = per_dialogue[d]
+        # A turn cut at max_new_tokens has no sampled end token; the stored span is the same ids.
+        assert got == want
+
+
+@pytest.mark.parametrize("template", ["tiny", "qwen2.5"])
+def test_loss_mask_matches_chat_template_assistant_mask(tiny, template):
+    _, tok = tiny
+    if template == "qwen2.5":
+        tok = make_tiny_tokenizer()  # a fresh one: keep the fixture's tokenizer intact
+        tok.chat_template = QWEN25_TEMPLATE
+    policy = ScriptedPolicy(tok, ["That sounds hard.", "I hear you. What happened?", "You did well, honestly."])
+    b = rollout(policy, tok, sim(), SC[:2], group_size=2, think=False,
+                gen_cfg=GenConfig(max_new_tokens=64), compute_logprobs=False)
+    for d, m in enumerate(b.metrics):
+        msgs = [{"role": "system", "content": build_system_prompt(False)}] + m["history"]
+        while msgs[-1]["role"] != "assistant":
+            msgs.pop()  # the user's last line is not part of the trained sequence
+        enc = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        n = int(b.attention_mask[d].sum())
+        ids = enc["input_ids"]
+        # The template renders "\n" after the final <|im_end|>; our row ends at the sampled token.
+        assert b.input_ids[d, :n].tolist() == ids[:n] and ids[n:] == tok.encode("\n")
+        assert b.loss_mask[d, :n].tolist() == enc["assistant_masks"][:n]
+
+
+def test_truncated_turn_gets_forced_end_token_with_mask_zero(tiny):
+    _, tok = tiny
+    policy = ScriptedPolicy(tok, ["a very long answer that will be cut"])
+    b = rollout(policy, tok, sim(max_turns=2), SC[:1], think=False,
+                gen_cfg=GenConfig(max_new_tokens=5), compute_logprobs=False)
+    row, lm = b.input_ids[0].tolist(), b.loss_mask[0].tolist()
+    (s1, e1), (s2, e2) = spans(lm)
+    assert e1 - s1 == 5 and row[e1] == tok.eos_token_id and lm[e1] == 0
+    assert row[e2] == tok.eos_token_id and e2 + 1 == int(b.attention_mask[0].sum())
+
+
+def test_logprobs_match_generation_scores(tiny):
+    model, tok = tiny
+    model.float()
+    p2 = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    p1 = tok.encode("<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n")
+    L = len(p1)
+    ids = torch.tensor([p1, [tok.pad_token_id] * (L - len(p2)) + p2])
+    am = torch.tensor([[1] * L, [0] * (L - len(p2)) + [1] * len(p2)])
+    torch.manual_seed(3)
+    out = model.generate(input_ids=ids, attention_mask=am, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
+                         max_new_tokens=12, min_new_tokens=12, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=tok.pad_token_id, eos_token_id=None)
+    new = out.sequences[:, L:]
+    gen_lp = torch.stack([torch.log_softmax(lg.float() / 0.7, -1) for lg in out.logits], 1)
+    gen_lp = gen_lp.gather(-1, new[..., None]).squeeze(-1)
+    # Re-score as a training row: right-padded, no left padding.
+    rows = [p1 + new[0].tolist(), p2 + new[1].tolist()]
+    T = max(map(len, rows))
+    x = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rows])
+    xm = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
+    lp = token_logprobs(model, x, xm, temperature=0.7, micro_batch=1)
+    assert torch.allclose(lp[0, len(p1):len(p1) + 12], gen_lp[0], atol=1e-4)
+    assert torch.allclose(lp[1, len(p2):len(p2) + 12], gen_lp[1], atol=1e-4)
+    assert lp[:, 0].abs().sum() == 0 and lp[1, len(rows[1]):].abs().sum() == 0
+
+
+def test_group_members_share_scenario_and_opening(tiny):
+    _, tok = tiny
+    policy = ScriptedPolicy(tok, ["ok then", "sure", "fine", "right", "hm", "yes"])
+    b = rollout(policy, tok, sim(max_turns=2), SC[:3], group_size=2, think=False,
+                gen_cfg=GenConfig(max_new_tokens=16), compute_logprobs=False)
+    assert b.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    for m in b.metrics:
+        assert m["history"][0]["content"] == SC[m["group"]].first_message
+    s = rollout_stats(b)
+    assert s["dialogues"] == 6 and s["turns"] == 2 and 0 <= s["reward"] <= 1
+
+
+def test_think_mode_only_reply_reaches_user_and_violations_zero_reward(tiny):
+    _, tok = tiny
+    texts = ["<think>SECRET-THOUGHT</think>That sounds hard.", "no think tags here"]
+    policy = ScriptedPolicy(tok, texts)
+    b = rollout(policy, tok, sim(max_turns=2), SC[:1], group_size=2, think=True,
+                gen_cfg=GenConfig(max_new_tokens=64), compute_logprobs=False)
+    for m in b.metrics:
+        users_view = json.dumps([h for h in m["history"]])
+        assert "SECRET-THOUGHT" not in users_view  # the simulator never saw the thought
+    # dialogue 0 alternates good/bad turns -> a violation -> reward 0
+    assert any(m["format_violations"] for m in b.metrics)
+    assert all(m["reward"] == 0.0 for m in b.metrics if m["format_violations"])
+    assert "SECRET-THOUGHT" in tok.decode(b.input_ids[0])  # the policy's own context keeps it
+    assert split_think(texts[0]) == ("SECRET-THOUGHT", "That sounds hard.", True)
+
+
+def test_per_turn_samples_and_dropped_thoughts(tiny):
+    _, tok = tiny
+    policy = ScriptedPolicy(tok, ["<think>T-ONE</think>Sounds hard."] * 2 + ["<think>T-TWO</think>I hear you."] * 2)
+    b = rollout(policy, tok, sim(max_turns=2), SC[:1], group_size=2, think=True,
+                gen_cfg=GenConfig(max_new_tokens=64, per_turn_samples=True, drop_thoughts=True),
+                compute_logprobs=False)
+    assert len(b) == 4 and b.dialogue_ids.tolist() == [0, 0, 1, 1]
+    assert torch.equal(b.rewards[0], b.rewards[1])
+    second_turn = tok.decode(b.input_ids[1][b.loss_mask[1] == 0])
+    assert "T-ONE" not in second_turn and "Sounds hard." in second_turn  # thought dropped from prompt
+    assert tok.decode(b.input_ids[1][b.loss_mask[1] == 1]).startswith("<think>T-TWO")
+
+
+def test_simulator_error_dialogues_are_flagged_and_left_out(tiny):
+    _, tok = tiny
+    class Flaky(RuleBackend):
+        def appraise(self, state, reply):
+            if state.scenario.id == "s1":
+                from simulator import SimulatorError
+                raise SimulatorError("down")
+            return super().appraise(state, reply)
+    policy = ScriptedPolicy(tok, ["ok"])
+    b = rollout(policy, tok, Simulator(Flaky(), max_turns=2), SC[:2], group_size=2, think=False,
+                gen_cfg=GenConfig(max_new_tokens=8), compute_logprobs=False)
+    assert len(b.metrics) == 4 and len(b) == 2 and b.group_ids.tolist() == [0, 0]
+    assert [m["valid"] for m in b.metrics] == [True, True, False, False]
+    assert rollout_stats(b)["simulator_errors"] == 2
+    assert not torch.isnan(b.rewards).any()
+
+
+def test_token_budget_stops_dialogue(tiny):
+    _, tok = tiny
+    policy = ScriptedPolicy(tok, ["x" * 30])
+    first = len(tok.encode(tok.apply_chat_template(
+        [{"role": "system", "content": build_system_prompt(False)}, {"role": "user", "content": SC[0].first_message}],
+        tokenize=False, add_generation_prompt=True)))
+    b = rollout(policy, tok, sim(max_turns=10), SC[:1], think=False,
+                gen_cfg=GenConfig(max_new_tokens=40, max_total_tokens=first + 150), compute_logprobs=False)
+    m = b.metrics[0]
+    assert m["outcome"] == "max_tokens" and 1 <= m["turns"] < 10
+    assert b.attention_mask.sum() <= first + 150
+    assert b.input_ids[0, int(b.attention_mask[0].sum()) - 1] == tok.eos_token_id  # ends on an agent turn
+
+
+def test_batch_logprobs_and_select(tiny):
+    model, tok = tiny
+    torch.manual_seed(0)
+    b = rollout(model, tok, sim(max_turns=2), SC[:2], group_size=2, think=False,
+                gen_cfg=GenConfig(max_new_tokens=8), ref_model=model)
+    assert b.old_logprobs.shape == b.input_ids.shape and torch.equal(b.old_logprobs, b.ref_logprobs)
+    assert (b.old_logprobs[b.loss_mask == 1] < 0).all()
+    sub = b.select([1, 3])
+    assert len(sub) == 2 and sub.input_ids.shape[1] == int(b.attention_mask[[1, 3]].sum(1).max())
+    assert torch.equal(sub.rewards, b.rewards[[1, 3]])
+
+
+def test_user_turn_delta_for_both_templates(tiny):
+    _, tok = tiny
+    d = user_turn_ids(tok, "sys", "hello", tok.eos_token_id)
+    assert tok.decode(d) == "\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
