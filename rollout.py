@@ -284,13 +284,14 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
             end += end < len(ctx[i]) and ctx[i][end] == eos_id
             rows.append((ctx[i][:end], mask[i][:end], r, groups[i], i))
 
-    batch = _collate(rows, pad_id, metrics)
+    batch = collate(rows, pad_id, metrics)
     if compute_logprobs and len(batch):
         batch = add_logprobs(batch, policy, ref_model, cfg.temperature or 1.0, cfg.logprob_batch_size)
     return batch
 
 
-def _collate(rows, pad_id, metrics) -> Batch:
+def collate(rows, pad_id, metrics=None) -> Batch:
+    """[(ids, loss_mask, reward, group, dialogue)] -> a right-padded Batch."""
     N, T = len(rows), max((len(r[0]) for r in rows), default=0)
     ids = torch.full((N, T), pad_id, dtype=torch.long)
     am, lm = torch.zeros((N, T), dtype=torch.long), torch.zeros((N, T), dtype=torch.long)
@@ -301,7 +302,7 @@ def _collate(rows, pad_id, metrics) -> Batch:
     return Batch(input_ids=ids, attention_mask=am, loss_mask=lm,
                  rewards=torch.tensor([r[2] for r in rows], dtype=torch.float32),
                  group_ids=torch.tensor([r[3] for r in rows], dtype=torch.long),
-                 dialogue_ids=torch.tensor([r[4] for r in rows], dtype=torch.long), metrics=metrics)
+                 dialogue_ids=torch.tensor([r[4] for r in rows], dtype=torch.long), metrics=metrics or [])
 
 
 @torch.no_grad()

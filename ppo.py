@@ -1,0 +1,289 @@
+"""ppo.py - PPO with a learned critic and GAE, for token sequences, in plain PyTorch.
+
+RLVER (arXiv 2507.03112, Sec. 2.4/4.1) trains with PPO and with GRPO. PPO here is the standard
+RLHF recipe: a policy (the LLM), a separate critic (another LLM with a scalar head, the paper
+initialises it from the same checkpoint), and the dialogue reward placed on the last token the
+policy sampled. Read top to bottom, this file is the algorithm:
+
+  1. critic values V(s_t) for every policy token             (ValueModel)
+  2. per-token rewards: 0 everywhere, R on the last agent token, optional KL penalty
+  3. GAE advantages over the agent's tokens, skipping user text (compute_gae; Schulman 2016)
+  4. advantage whitening over valid tokens                     (masked_whiten)
+  5. clipped surrogate policy loss + entropy bonus              (policy_loss; Schulman 2017)
+  6. clipped value loss                                          (value_loss)
+  7. epochs x minibatches x micro-batches, gradient clipping    (ppo_update)
+
+Alignment convention (shared with rollout.py): position t of every [N, T] tensor is the token
+x_t; logprobs[t] = log pi(x_t | x_<t); values[t] = V(x_<t), the value of the state in which
+x_t was chosen; loss_mask[t] = 1 when x_t was sampled by the policy.
+
+Paper defaults: actor lr 1e-6, critic lr 5e-6, clip 0.2, value clip 0.5, entropy 1e-3, grad
+clip 1.0, batch 32, 1 epoch, KL 0, gamma = lambda = 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from rollout import token_logprobs
+
+
+@dataclass
+class PPOConfig:
+    clip_eps: float = 0.2
+    value_clip: float = 0.5
+    entropy_coef: float = 1e-3
+    kl_coef: float = 0.0          # paper: 0 (no reference model)
+    kl_kind: str = "k1"           # estimator for the in-reward KL penalty
+    gamma: float = 1.0
+    lam: float = 1.0
+    epochs: int = 1
+    minibatch_size: int = 32      # rows per optimizer step
+    micro_batch_size: int = 4     # rows per forward/backward (gradient accumulation)
+    max_grad_norm: float = 1.0
+    vf_coef: float = 1.0
+    temperature: float = 1.0      # must match the rollout's sampling temperature
+    whiten_advantages: bool = True
+
+
+# --------------------------------------------------------------------------------------------
+# Masked statistics. Every reduction over tokens goes through a mask: user/system tokens and
+# padding never count. An all-zero mask gives 0, not NaN.
+# --------------------------------------------------------------------------------------------
+def masked_sum(x, mask):
+    return (x * mask).sum()
+
+
+def masked_mean(x, mask, denom=None):
+    """Mean of x over mask; `denom` overrides the count (micro-batches of one minibatch divide
+    by the minibatch's token count, so accumulated gradients equal the full-batch gradient)."""
+    d = mask.sum() if denom is None else torch.as_tensor(denom, dtype=x.dtype, device=x.device)
+    return masked_sum(x, mask) / d.clamp(min=1)
+
+
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+    m = mask.to(x.dtype)
+    mean = masked_mean(x, m)
+    var = masked_mean((x - mean) ** 2, m)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    return (out if shift_mean else out + mean) * m
+
+
+# --------------------------------------------------------------------------------------------
+# 1. The critic: a causal-LM backbone with a scalar head, one value per token.
+# --------------------------------------------------------------------------------------------
+class ValueModel(nn.Module):
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        # A zero head starts every value at 0: the first advantages are the plain returns.
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kw) -> "ValueModel":
+        """Backbone from a causal-LM checkpoint (its LM head is dropped), new value head. A
+        directory this class saved (with value_head.pt) gets its trained head back."""
+        import os
+        from transformers import AutoModel
+        backbone = AutoModel.from_pretrained(path, **kw)
+        vm = cls(backbone, backbone.config.hidden_size)
+        head = os.path.join(path, "value_head.pt")
+        if os.path.isfile(head):
+            vm.value_head.load_state_dict(torch.load(head, map_location="cpu"))
+        return vm.to(next(backbone.parameters()).dtype)
+
+    @classmethod
+    def from_config(cls, config) -> "ValueModel":
+        from transformers import AutoModel
+        return cls(AutoModel.from_config(config), config.hidden_size)
+
+    def save_pretrained(self, path: str, **kw):
+        import os
+        self.backbone.save_pretrained(path, **kw)
+        torch.save(self.value_head.state_dict(), os.path.join(path, "value_head.pt"))
+
+    def forward(self, input_ids, attention_mask):
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        v = self.value_head(h).squeeze(-1).float()
+        # Shift right: values[t] = V(x_<t), read off the hidden state of x_{t-1}.
+        return torch.nn.functional.pad(v[:, :-1], (1, 0)) * attention_mask
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Per-token rewards and the KL estimators.
+# --------------------------------------------------------------------------------------------
+def kl_penalty(logprobs, ref_logprobs, kind: str = "k1"):
+    """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL
+    divergence", 2020): k1 = log r (unbiased, noisy, can be negative), k2 = (log r)^2 / 2,
+    k3 = (r' - 1) - log r' with r' = ref/pi (unbiased, always >= 0; GRPO uses it)."""
+    d = logprobs - ref_logprobs
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d ** 2
+    if kind == "k3":
+        return torch.exp(-d) - 1 + d
+    raise ValueError(f"unknown KL estimator {kind!r} (k1 | k2 | k3)")
+
+
+def token_rewards(rewards, mask, kl=None, kl_coef=0.0):
+    """[N] dialogue rewards -> [N, T]: the reward sits on the last policy-sampled token of each
+    row; an optional KL penalty is charged on every policy token (InstructGPT style)."""
+    N, T = mask.shape
+    pos = torch.arange(T, device=mask.device).expand(N, T)
+    last = torch.where(mask.bool(), pos, -1).max(1).values  # -1 for an empty row
+    r = torch.zeros(N, T, dtype=torch.float32, device=mask.device)
+    ok = last >= 0
+    r[ok, last[ok]] = rewards[ok].float()
+    if kl is not None and kl_coef:
+        r = r - kl_coef * kl * mask
+    return r
+
+
+# --------------------------------------------------------------------------------------------
+# 3. GAE over the policy's tokens (Schulman et al. 2016, eq. 16), skipping masked positions:
+# user text between agent turns is the environment's move, not a step of the agent, so the
+# "next state" of an agent's last token in a turn is the first token of its next turn.
+# --------------------------------------------------------------------------------------------
+@torch.no_grad()
+def compute_gae(token_rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
+    N, T = mask.shape
+    m = mask.bool()
+    adv = torch.zeros_like(values, dtype=torch.float32)
+    last_gae = torch.zeros(N, device=values.device)
+    next_v = torch.zeros(N, device=values.device)   # V after the final token = 0 (episode ends)
+    for t in reversed(range(T)):
+        delta = token_rewards[:, t] + gamma * next_v - values[:, t]
+        gae = delta + gamma * lam * last_gae
+        adv[:, t] = torch.where(m[:, t], gae, 0.0)
+        last_gae = torch.where(m[:, t], gae, last_gae)   # masked steps pass the carry through
+        next_v = torch.where(m[:, t], values[:, t].float(), next_v)
+    returns = (adv + values) * mask
+    return adv, returns
+
+
+# --------------------------------------------------------------------------------------------
+# 5./6. Losses.
+# --------------------------------------------------------------------------------------------
+def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps):
+    """Per-token PPO objective as a loss: max(-A r, -A clip(r, 1-eps, 1+eps)), r = pi/pi_old.
+    Taking the max of the two losses (min of the objectives) removes the incentive to move the
+    ratio outside [1-eps, 1+eps]: there the gradient is exactly 0."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    l1 = -advantages * ratio
+    l2 = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    return torch.maximum(l1, l2), (l2 > l1).float(), ratio
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, denom=None):
+    per_tok, clipped, ratio = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps)
+    loss = masked_mean(per_tok, mask, denom)
+    with torch.no_grad():
+        log_r = logprobs - old_logprobs
+        stats = {"clipfrac": masked_mean(clipped, mask).item(),
+                 "approx_kl": masked_mean(0.5 * log_r ** 2, mask).item(),
+                 "ratio": masked_mean(ratio, mask).item()}
+    return loss, stats
+
+
+def value_loss(values, old_values, returns, mask, clip=0.5, denom=None):
+    """Clipped value loss (PPO2 / OpenAI baselines): the new value may not move more than
+    `clip` from the value at rollout time without the loss noticing."""
+    v_clip = old_values + torch.clamp(values - old_values, -clip, clip)
+    per_tok = torch.maximum((values - returns) ** 2, (v_clip - returns) ** 2)
+    loss = 0.5 * masked_mean(per_tok, mask, denom)
+    with torch.no_grad():
+        stats = {"vf_clipfrac": masked_mean(((values - returns) ** 2 < (v_clip - returns) ** 2).float(), mask).item(),
+                 "value_mean": masked_mean(values, mask).item()}
+    return loss, stats
+
+
+# --------------------------------------------------------------------------------------------
+# 7. The update.
+# --------------------------------------------------------------------------------------------
+def minibatches(n_rows, minibatch_size, micro_batch_size, generator=None):
+    """Shuffled rows -> [[micro-batch row indices, ...] per minibatch]."""
+    perm = torch.randperm(n_rows, generator=generator)
+    for s in range(0, n_rows, minibatch_size):
+        mb = perm[s:s + minibatch_size]
+        yield [mb[k:k + micro_batch_size] for k in range(0, len(mb), micro_batch_size)]
+
+
+def _step(model, optimizer, max_grad_norm, accelerator):
+    if accelerator is not None:
+        gn = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    else:
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(gn)
+
+
+def _mean(rows):
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
+
+
+def _minibatch_stats(micro, **extra):
+    """Micro-batch stats -> one minibatch's: losses add up (each micro-batch already divides by
+    the minibatch's count), everything else is averaged."""
+    out = _mean(micro)
+    for k in out:
+        if k.endswith("_loss"):
+            out[k] *= len(micro)
+    return {**out, **extra}
+
+
+@torch.no_grad()
+def critic_values(critic, batch, micro_batch_size=8):
+    dev = next(critic.parameters()).device
+    out = [critic(batch.input_ids[s:s + micro_batch_size].to(dev), batch.attention_mask[s:s + micro_batch_size].to(dev)).cpu()
+           for s in range(0, len(batch), micro_batch_size)]
+    return torch.cat(out) if out else torch.zeros_like(batch.input_ids, dtype=torch.float32)
+
+
+def ppo_update(policy, critic, optimizers, batch, cfg: PPOConfig, accelerator=None, generator=None) -> dict:
+    """One PPO update on a rollout Batch (with old_logprobs). `optimizers` = (actor, critic).
+    With `accelerator`, backward and gradient clipping go through it (FSDP, mixed precision)."""
+    actor_opt, critic_opt = optimizers
+    if len(batch) == 0:
+        return {}
+    dev = next(policy.parameters()).device
+    mask = batch.loss_mask.float()
+    # 1-4: values at rollout time, rewards, GAE, whitening -- all fixed for the whole update.
+    old_values = critic_values(critic, batch, cfg.micro_batch_size) * mask
+    kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, cfg.kl_kind) * mask if batch.ref_logprobs is not None else None
+    rew = token_rewards(batch.rewards, batch.loss_mask, kl, cfg.kl_coef)
+    adv, returns = compute_gae(rew, old_values, mask, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        adv = masked_whiten(adv, mask)
+
+    stats = []
+    for _ in range(cfg.epochs):
+        for micro_list in minibatches(len(batch), cfg.minibatch_size, cfg.micro_batch_size, generator):
+            n_tok = mask[torch.cat(micro_list)].sum()  # the minibatch's token count
+            micro = []
+            for idx in micro_list:
+                mb = batch.select(idx).to(dev)
+                T = mb.input_ids.shape[1]
+                m = mb.loss_mask.float()
+                lp, ent = token_logprobs(policy, mb.input_ids, mb.attention_mask, cfg.temperature, return_entropy=True)
+                pl, ps = policy_loss(lp, mb.old_logprobs, adv[idx, :T].to(dev), m, cfg.clip_eps, n_tok)
+                ent_loss = -cfg.entropy_coef * masked_mean(ent, m, n_tok)
+                values = critic(mb.input_ids, mb.attention_mask)
+                vl, vs = value_loss(values, old_values[idx, :T].to(dev), returns[idx, :T].to(dev), m, cfg.value_clip, n_tok)
+                loss = pl + ent_loss + cfg.vf_coef * vl
+                (accelerator.backward(loss) if accelerator is not None else loss.backward())
+                micro.append({"policy_loss": pl.item(), "value_loss": vl.item(),
+                              "entropy": masked_mean(ent.detach(), m).item(), **ps, **vs})
+            stats.append(_minibatch_stats(micro, grad_norm=_step(policy, actor_opt, cfg.max_grad_norm, accelerator),
+                                          critic_grad_norm=_step(critic, critic_opt, cfg.max_grad_norm, accelerator)))
+    out = _mean(stats)
+    out["advantage_mean"] = masked_mean(adv, mask).item()
+    out["return_mean"] = masked_mean(returns, mask).item()
+    if kl is not None:
+        out["kl"] = masked_mean(kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k3"), mask).item()
+    return out
