@@ -165,7 +165,7 @@ def end_of_turn_id(tokenizer) -> int:
 
 
 @torch.no_grad()
-def generate_turn(policy, contexts: list[list[int]], cfg: GenConfig, eos_id: int, pad_id: int):
+def generate_turn(policy, contexts: list[list[int]], cfg: GenConfig, eos_id: int, pad_id: int, **generate_kwargs):
     """One batched generate over all active dialogues -> the sampled ids of each (cut after the
     first end-of-turn token). Left padding so every row continues from its last real token."""
     from transformers import GenerationConfig
@@ -183,7 +183,7 @@ def generate_turn(policy, contexts: list[list[int]], cfg: GenConfig, eos_id: int
                           temperature=cfg.temperature if sample else None,
                           top_p=cfg.top_p if sample else None)
     out = policy.generate(input_ids=ids.to(policy.device), attention_mask=attn.to(policy.device),
-                          generation_config=gc)
+                          generation_config=gc, **generate_kwargs)
     turns = []
     for row in out[:, L:].tolist():
         turns.append(row[:row.index(eos_id) + 1] if eos_id in row else row)
@@ -195,11 +195,12 @@ def generate_turn(policy, contexts: list[list[int]], cfg: GenConfig, eos_id: int
 # --------------------------------------------------------------------------------------------
 def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think: bool = True,
             gen_cfg: GenConfig | None = None, ref_model=None, compute_logprobs: bool = True,
-            progress=None) -> Batch:
+            progress=None, generate_kwargs: dict | None = None) -> Batch:
     """Play len(scenarios) x group_size dialogues to the end and return a right-padded Batch.
 
     Dialogues that end in `simulator_error` are reported in `metrics` (valid=False) and left out
-    of the Batch rows: they carry no reward signal (never a reward of 0)."""
+    of the Batch rows: they carry no reward signal (never a reward of 0). `generate_kwargs` go
+    to `generate` (train.py passes synced_gpus under FSDP)."""
     cfg = gen_cfg or GenConfig()
     eos_id = end_of_turn_id(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
@@ -230,7 +231,7 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
                 active.remove(i)
         if not active:
             break
-        outs = generate_turn(policy, [ctx[i] for i in active], cfg, eos_id, pad_id)
+        outs = generate_turn(policy, [ctx[i] for i in active], cfg, eos_id, pad_id, **(generate_kwargs or {}))
         replies = []
         for i, toks in zip(active, outs):
             text = tokenizer.decode(toks, skip_special_tokens=True)

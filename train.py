@@ -1,0 +1,457 @@
+"""train.py - the whole RLVER loop: rollout against the simulated user, reward, PPO/GRPO update.
+
+    python train.py --algo grpo --preset tiny            # offline, CPU, a few minutes
+    python train.py --algo ppo  --preset tiny
+    accelerate launch --config_file configs/fsdp_8gpu.yaml train.py --algo grpo --preset paper \\
+        --simulator-base-url http://localhost:8000/v1 --simulator-model deepseek-v3
+
+One step (RLVER, arXiv 2507.03112, Sec. 2 and 4.1):
+  1. pick `batch_size` training scenarios; each is played `group_size` times (GRPO n=4, PPO n=1)
+  2. rollout.py plays every dialogue to the end (<= 8 turns) against simulator.py, with the
+     think-then-say scaffold when --think, and returns token ids, masks and rewards (reward.py)
+  3. old (and, when kl_coef > 0, reference) log-probs of the sampled tokens
+  4. ppo.ppo_update or grpo.grpo_update
+  5. metrics to JSONL + trackers, an atomic checkpoint every `save_every` steps
+
+Accelerate handles devices, bf16 and FSDP (`accelerate launch`); generation under FSDP gathers
+the parameters it needs (see `generation_mode`).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+log = logging.getLogger("train")
+
+
+@dataclass
+class Config:
+    algo: str = field(default="grpo", metadata={"help": "grpo | ppo", "choices": ["grpo", "ppo"]})
+    preset: str = field(default="tiny", metadata={"help": "tiny: offline CPU demo; paper: the paper's setup",
+                                                  "choices": ["tiny", "paper", "none"]})
+    think: bool = field(default=False, metadata={"help": "think-then-say scaffold (<think>..</think> reply)"})
+    # models
+    model: str = field(default="tiny", metadata={"help": "'tiny' (random offline model) or a hub id / local path"})
+    critic_model: str = field(default="", metadata={"help": "PPO critic init (default: --model)"})
+    gradient_checkpointing: bool = False
+    mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPU) | no | bf16",
+                                                           "choices": ["auto", "no", "bf16"]})
+    # simulator
+    simulator: str = field(default="rule", metadata={"help": "rule | openai | hf", "choices": ["rule", "openai", "hf"]})
+    simulator_base_url: str = ""
+    simulator_model: str = ""
+    simulator_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "env var holding the key"})
+    simulator_temperature: float = 0.7
+    simulator_timeout: float = 120.0
+    simulator_concurrency: int = 64
+    scenarios: str = os.path.join(HERE, "data", "scenarios_train.jsonl")
+    initial_emotion: int = 30     # RLVER trains from 30
+    max_turns: int = 4            # paper: 8 (the paper preset); 4 keeps the CPU demo short
+    # rollout
+    steps: int = 40
+    batch_size: int = 8           # scenarios per step (all processes together)
+    group_size: int = 4           # dialogues per scenario (GRPO n=4; PPO n=1)
+    max_new_tokens: int = 24
+    max_total_tokens: int = 4096
+    temperature: float = 1.0
+    per_turn_samples: bool = False
+    drop_thoughts: bool = True
+    shaping_coef: float = 0.0
+    # optimisation
+    actor_lr: float = 3e-3
+    critic_lr: float = 1e-2
+    warmup_steps: int = 0
+    clip_eps: float = 0.2
+    value_clip: float = 0.5
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 1.0
+    epochs: int = 1
+    minibatch_size: int = 32      # rows per optimizer step (per process)
+    micro_batch_size: int = 8     # rows per forward/backward
+    max_grad_norm: float = 1.0
+    loss_agg: str = field(default="token-mean", metadata={"choices": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]})
+    adv_scale: str = field(default="std", metadata={"choices": ["std", "none"]})
+    # bookkeeping
+    output_dir: str = "runs/rlver"
+    resume: str = field(default="", metadata={"help": "'auto' (latest in output_dir) or a checkpoint dir"})
+    save_every: int = 10
+    keep_last: int = 2
+    seed: int = 0
+    report_to: str = field(default="auto", metadata={"help": "auto (tensorboard if installed) | none | tensorboard,wandb"})
+
+
+# The paper's hyperparameters (Sec. 4.1 / App.): Qwen2.5-7B-Instruct, batch 32, actor lr 1e-6,
+# critic lr 5e-6, 8 turns, temperature 1.0, GRPO n=4, PPO n=1, KL 0, gamma = lambda = 1.
+PRESETS = {
+    "tiny": {},  # the dataclass defaults: sized for a 2-core CPU
+    "paper": dict(model="Qwen/Qwen2.5-7B-Instruct", think=True, simulator="openai", steps=1000,
+                  batch_size=32, max_new_tokens=512, max_total_tokens=8192, actor_lr=1e-6,
+                  critic_lr=5e-6, entropy_coef=1e-3, minibatch_size=32, micro_batch_size=2,
+                  gradient_checkpointing=True, save_every=50, initial_emotion=30, max_turns=8),
+}
+ALGO_DEFAULTS = {"grpo": {"group_size": 4}, "ppo": {"group_size": 1}}
+TINY_PPO = {"batch_size": 16}  # PPO has no group: more scenarios per step for the same work
+
+
+def parse_args(argv=None) -> Config:
+    """Flags are the Config fields (underscores -> dashes). Precedence: flag > preset > default."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Config):
+        name = "--" + f.name.replace("_", "-")
+        kw = dict(default=None, help=f.metadata.get("help", " "))
+        if f.type in (bool, "bool"):
+            ap.add_argument(name, action=argparse.BooleanOptionalAction, **kw)
+        else:
+            typ = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            ap.add_argument(name, type=typ, choices=f.metadata.get("choices"), **kw)
+    args = {k: v for k, v in vars(ap.parse_args(argv)).items() if v is not None}
+    cfg = Config()
+    preset = args.get("preset", cfg.preset)
+    algo = args.get("algo", cfg.algo)
+    merged = {**ALGO_DEFAULTS[algo], **PRESETS.get(preset, {}),
+              **(TINY_PPO if preset == "tiny" and algo == "ppo" else {}), **args}
+    return dataclasses.replace(cfg, **merged)
+
+
+class InputError(Exception):
+    """Bad flags or inputs, reported as one line before any heavy work."""
+
+
+def validate(cfg: Config):
+    from simulator import ScenarioError, load_scenarios
+    if cfg.model != "tiny":
+        local = os.path.exists(cfg.model) or cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") != 1
+        if local and not os.path.isfile(os.path.join(os.path.expanduser(cfg.model), "config.json")):
+            raise InputError(f"--model {cfg.model}: no model there (expected a directory with config.json, "
+                             f"a hub id like Qwen/Qwen2.5-7B-Instruct, or 'tiny')")
+    if cfg.critic_model and cfg.algo == "ppo" and os.path.exists(cfg.critic_model) is False and cfg.critic_model.count("/") != 1:
+        raise InputError(f"--critic-model {cfg.critic_model}: no such model directory")
+    try:
+        scenarios = load_scenarios(cfg.scenarios)
+    except ScenarioError as e:
+        raise InputError(f"--scenarios: {e}") from None
+    for name in ("steps", "batch_size", "group_size", "max_turns", "max_new_tokens", "micro_batch_size", "minibatch_size"):
+        if getattr(cfg, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.algo == "grpo" and cfg.group_size < 2:
+        raise InputError("--group-size must be >= 2 for GRPO (a group of one has no baseline)")
+    if cfg.simulator == "openai" and not (cfg.simulator_base_url and cfg.simulator_model):
+        raise InputError("--simulator openai needs --simulator-base-url and --simulator-model")
+    if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.resume):
+        raise InputError(f"--resume {cfg.resume}: no such checkpoint directory")
+    return scenarios
+
+
+def pick_attn_implementation() -> str:
+    """flash-attention 2 when installed and on GPU, else PyTorch SDPA."""
+    import torch
+    from transformers.utils import is_flash_attn_2_available
+    return "flash_attention_2" if torch.cuda.is_available() and is_flash_attn_2_available() else "sdpa"
+
+
+def load_models(cfg: Config, dtype):
+    """-> policy, tokenizer, critic (PPO only) and reference (kl_coef > 0 only)."""
+    import copy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from ppo import ValueModel
+    from rollout import make_tiny_policy
+    attn = pick_attn_implementation()
+    if cfg.model == "tiny":
+        policy, tok = make_tiny_policy(seed=cfg.seed)
+        critic = ValueModel.from_config(policy.config) if cfg.algo == "ppo" else None
+        ref = copy.deepcopy(policy) if cfg.kl_coef > 0 else None
+    else:
+        tok = AutoTokenizer.from_pretrained(cfg.model)
+        load = lambda: AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, attn_implementation=attn)  # noqa: E731
+        policy = load()
+        critic = ValueModel.from_pretrained(cfg.critic_model or cfg.model, dtype=dtype, attn_implementation=attn) \
+            if cfg.algo == "ppo" else None
+        ref = load() if cfg.kl_coef > 0 else None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if ref is not None:
+        ref.requires_grad_(False).eval()
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        if critic is not None:
+            critic.backbone.gradient_checkpointing_enable()
+    return policy, tok, critic, ref, attn
+
+
+@contextlib.contextmanager
+def generation_mode(accelerator, model):
+    """Yield (module to call .generate on, extra generate kwargs).
+
+    FSDP does not gather parameters for `generate()` (it is not `forward`):
+      FSDP1: the decoder layers are their own FSDP units and unshard in their forward; the
+             root's own parameters (embeddings, norm, lm_head) are gathered with
+             summon_full_params(recurse=False). FSDP2: register `generate` as a forward method.
+      Both: `synced_gpus=True`, so a rank that finished keeps running forward passes until all
+             have (each forward is a collective; otherwise ranks deadlock).
+    Gradient checkpointing is switched off while generating (it disables the KV cache)."""
+    from accelerate.utils import DistributedType
+    unwrapped = accelerator.unwrap_model(model)
+    gc_on = getattr(unwrapped, "is_activation_checkpointing",  # transformers >= 5 name
+                    getattr(unwrapped, "is_gradient_checkpointing", False))
+    if gc_on:
+        unwrapped.gradient_checkpointing_disable()
+    kwargs = {}
+    try:
+        if accelerator.distributed_type == DistributedType.FSDP:
+            kwargs["synced_gpus"] = accelerator.num_processes > 1
+            if accelerator.is_fsdp2:
+                from torch.distributed.fsdp import register_fsdp_forward_method
+                register_fsdp_forward_method(model, "generate")
+                yield model, kwargs
+            else:
+                from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+                with FSDP.summon_full_params(model, recurse=False, writeback=False):
+                    yield unwrapped, kwargs
+        else:
+            yield unwrapped, kwargs
+    finally:
+        if gc_on:
+            unwrapped.gradient_checkpointing_enable()
+
+
+def step_scenarios(scenarios, step, batch_size, seed, rank, world):
+    """The scenarios of one step, derived from (seed, step) alone, so a resumed run sees the
+    same sequence. Epoch-wise shuffles without replacement; each process takes its slice."""
+    per_epoch = max(1, len(scenarios) // batch_size)
+    epoch, k = divmod(step, per_epoch)
+    order = list(range(len(scenarios)))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    chosen = [scenarios[order[(k * batch_size + j) % len(order)]] for j in range(batch_size)]
+    return chosen[rank::world]
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints: written to a temporary directory, then renamed (atomic on one filesystem), so a
+# crash mid-write never leaves a checkpoint that looks complete.
+# --------------------------------------------------------------------------------------------
+def ckpt_dir(cfg):
+    return os.path.join(cfg.output_dir, "checkpoints")
+
+
+def save_checkpoint(accelerator, cfg, step):
+    root = ckpt_dir(cfg)
+    final, tmp = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f".tmp_step_{step:06d}")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)  # models, optimizers, schedulers, RNG states of every process
+    if accelerator.is_main_process:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "config": dataclasses.asdict(cfg)}, f, indent=1)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        done = sorted(d for d in os.listdir(root) if d.startswith("step_"))
+        for old in done[:-cfg.keep_last]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def find_resume(cfg):
+    if cfg.resume != "auto":
+        return cfg.resume or None
+    root = ckpt_dir(cfg)
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
+    return os.path.join(root, done[-1]) if done else None
+
+
+def plot_curve(metrics_path, png_path, title):
+    """Reward (and success rate) per step -> PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(l) for l in open(metrics_path) if l.strip()]
+    if not rows:
+        return
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["reward"] for r in rows], label="mean reward (final emotion / 100)", alpha=0.5)
+    k = max(1, len(rows) // 10)
+    smooth = [sum(r["reward"] for r in rows[max(0, i - k + 1):i + 1]) / len(rows[max(0, i - k + 1):i + 1]) for i in range(len(rows))]
+    ax.plot(steps, smooth, label=f"moving average ({k} steps)", lw=2)
+    ax.set_xlabel("step"), ax.set_ylabel("reward"), ax.set_title(title), ax.grid(alpha=0.3), ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
+def trackers(cfg):
+    if cfg.report_to == "none":
+        return None
+    if cfg.report_to == "auto":
+        try:
+            import tensorboard  # noqa: F401
+            return ["tensorboard"]
+        except ImportError:
+            return None
+    return [t.strip() for t in cfg.report_to.split(",") if t.strip()]
+
+
+# --------------------------------------------------------------------------------------------
+# The loop.
+# --------------------------------------------------------------------------------------------
+def train(cfg: Config) -> dict:
+    scenarios = validate(cfg)
+    from simulator import Simulator, make_backend
+    backend = make_backend(cfg.simulator, cfg.simulator_base_url, cfg.simulator_model, cfg.simulator_api_key_env,
+                           cfg.simulator_temperature, cfg.simulator_timeout, seed=cfg.seed)
+    if hasattr(backend, "check"):
+        try:
+            backend.check()
+        except ConnectionError as e:
+            raise InputError(str(e)) from None
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+    from grpo import GRPOConfig, grpo_update
+    from ppo import PPOConfig, ppo_update
+    from rollout import GenConfig, add_logprobs, rollout, rollout_stats
+
+    mp = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    accelerator = Accelerator(mixed_precision=mp, log_with=trackers(cfg), project_dir=cfg.output_dir)
+    set_seed(cfg.seed, device_specific=True)
+    if cfg.batch_size % accelerator.num_processes:
+        raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes "
+                         f"({accelerator.num_processes})")
+    dtype = torch.bfloat16 if mp == "bf16" else torch.float32
+    policy, tok, critic, ref, attn = load_models(cfg, dtype)
+    if accelerator.is_main_process:
+        log.info("policy %s | attention: %s | precision: %s | processes: %d | simulator: %r",
+                 cfg.model, attn, mp, accelerator.num_processes, backend)
+
+    sched_fn = lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0  # noqa: E731
+    actor_opt = torch.optim.AdamW(policy.parameters(), lr=cfg.actor_lr, weight_decay=0.0)
+    actor_sched = torch.optim.lr_scheduler.LambdaLR(actor_opt, sched_fn)
+    if critic is not None:
+        critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
+        critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, sched_fn)
+        policy, actor_opt, actor_sched, critic, critic_opt, critic_sched = accelerator.prepare(
+            policy, actor_opt, actor_sched, critic, critic_opt, critic_sched)
+    else:
+        policy, actor_opt, actor_sched = accelerator.prepare(policy, actor_opt, actor_sched)
+    if ref is not None:
+        ref = accelerator.prepare_model(ref, evaluation_mode=True)
+
+    start = 0
+    resume = find_resume(cfg)
+    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+    if resume:
+        accelerator.load_state(resume)
+        start = json.load(open(os.path.join(resume, "trainer_state.json")))["step"]
+        if accelerator.is_main_process:
+            log.info("resumed from %s at step %d", resume, start)
+    if accelerator.is_main_process:  # drop metrics of steps after the checkpoint (re-done now)
+        old = [l for l in open(metrics_path)] if os.path.exists(metrics_path) and resume else []
+        with open(metrics_path, "w") as f:
+            f.writelines(l for l in old if l.strip() and json.loads(l)["step"] < start)
+    accelerator.init_trackers("rlver", config={k: v for k, v in dataclasses.asdict(cfg).items()})
+
+    sim = Simulator(backend, initial_emotion=cfg.initial_emotion, max_turns=cfg.max_turns,
+                    concurrency=cfg.simulator_concurrency)
+    gen_cfg = GenConfig(max_new_tokens=cfg.max_new_tokens, max_total_tokens=cfg.max_total_tokens,
+                        temperature=cfg.temperature, per_turn_samples=cfg.per_turn_samples,
+                        drop_thoughts=cfg.drop_thoughts, shaping_coef=cfg.shaping_coef,
+                        logprob_batch_size=cfg.micro_batch_size)
+    common = dict(clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef, epochs=cfg.epochs, minibatch_size=cfg.minibatch_size,
+                  micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature)
+    algo_cfg = (PPOConfig(value_clip=cfg.value_clip, entropy_coef=cfg.entropy_coef, gamma=cfg.gamma, lam=cfg.lam, **common)
+                if cfg.algo == "ppo" else GRPOConfig(scale=cfg.adv_scale, agg=cfg.loss_agg, **common))
+    gen = torch.Generator().manual_seed(cfg.seed + 7919 * accelerator.process_index)
+
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"{cfg.algo}",
+               disable=not accelerator.is_main_process, dynamic_ncols=True)
+    last = {}
+    for step in bar:
+        gen.manual_seed(cfg.seed * 100_003 + step)  # minibatch order: a function of the step (resumable)
+        t0 = time.time()
+        local = step_scenarios(scenarios, step, cfg.batch_size, cfg.seed, accelerator.process_index,
+                               accelerator.num_processes)
+        policy.eval()
+        with generation_mode(accelerator, policy) as (gen_model, gen_kwargs):
+            batch = rollout(gen_model, tok, sim, local, cfg.group_size, cfg.think, gen_cfg,
+                            compute_logprobs=False, generate_kwargs=gen_kwargs)
+        t_roll = time.time() - t0
+        batch = add_logprobs(batch, policy, ref, cfg.temperature, cfg.micro_batch_size)
+        policy.train()
+        if cfg.algo == "ppo":
+            critic.train()
+            upd = ppo_update(policy, critic, (actor_opt, critic_opt), batch, algo_cfg, accelerator, gen)
+            critic_sched.step()
+        else:
+            upd = grpo_update(policy, actor_opt, batch, algo_cfg, accelerator, gen)
+        actor_sched.step()
+        dt = time.time() - t0
+
+        roll = rollout_stats(batch)
+        # Average the per-process numbers (each process played its own slice of scenarios).
+        keys = sorted(roll)
+        vals = torch.tensor([float(roll[k]) for k in keys], device=accelerator.device)
+        vals = accelerator.reduce(vals, reduction="mean")
+        roll = {k: v.item() for k, v in zip(keys, vals)}
+        n_tok = int(batch.attention_mask.sum()) * accelerator.num_processes
+        row = {"step": step, **roll, **{k: v for k, v in upd.items()}, "step_time": dt, "rollout_time": t_roll,
+               "tokens_per_s": n_tok / dt, "lr": actor_sched.get_last_lr()[0]}
+        if accelerator.is_main_process:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if batch.metrics:  # one readable sample dialogue per step
+                m = batch.metrics[0]
+                with open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") as f:
+                    f.write(json.dumps({"step": step, "scenario": m["scenario_id"], "reward": m["reward"],
+                                        "emotion_trace": m["emotion_trace"], "history": m["history"]},
+                                       ensure_ascii=False) + "\n")
+        accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
+        bar.set_postfix(reward=f"{roll['reward']:.3f}", turns=f"{roll['turns']:.1f}", s=f"{dt:.1f}")
+        last = row
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            save_checkpoint(accelerator, cfg, step + 1)
+
+    # The final policy in plain Hugging Face format (evaluate.py loads it).
+    final = os.path.join(cfg.output_dir, "final")
+    accelerator.wait_for_everyone()
+    state = accelerator.get_state_dict(policy)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(policy).save_pretrained(final, state_dict=state)
+        tok.save_pretrained(final)
+        plot_curve(metrics_path, os.path.join(cfg.output_dir, "reward_curve.png"),
+                   f"RLVER {cfg.algo.upper()} ({cfg.preset} preset)")
+    accelerator.end_training()
+    return last
+
+
+def main(argv=None):
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "accelerate", "matplotlib"):  # per-request / per-file lines drown the log
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # accelerate warns that tied embeddings (lm_head = embed_tokens) are saved once: expected.
+    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
+    cfg = parse_args(argv)
+    try:
+        train(cfg)
+    except InputError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
