@@ -203,8 +203,9 @@ def generation_mode(accelerator, model):
     Gradient checkpointing is switched off while generating (it disables the KV cache)."""
     from accelerate.utils import DistributedType
     unwrapped = accelerator.unwrap_model(model)
-    gc_on = getattr(unwrapped, "is_activation_checkpointing",  # transformers >= 5 name
-                    getattr(unwrapped, "is_gradient_checkpointing", False))
+    gc_on = getattr(unwrapped, "is_activation_checkpointing", None)  # transformers >= 5 name
+    if gc_on is None:
+        gc_on = getattr(unwrapped, "is_gradient_checkpointing", False)
     if gc_on:
         unwrapped.gradient_checkpointing_disable()
     kwargs = {}
