@@ -47,12 +47,10 @@ def test_bad_input_fails_fast_with_one_line(flags, msg, tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     flags = [str(empty) if f == "EMPTY" else f for f in flags]
-    t = time.time()
     rc = main(flags + ["--output-dir", str(tmp_path / "out"), "--report-to", "none"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and msg in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out" / "checkpoints").exists()  # nothing heavy happened
-    assert time.time() - t < 30
 
 
 def run_train(args, **kw):

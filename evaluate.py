@@ -1,0 +1,307 @@
+"""evaluate.py - the Sentient benchmark protocol (SAGE, arXiv 2505.02847; RLVER Sec. 4).
+
+Each model plays every test scenario against the simulated user, starting at emotion 40, for at
+most 10 turns, with greedy decoding by default (or fixed-seed sampling). Reported per model:
+
+  Sentient score   mean final emotion (0-100), the paper's headline number
+  success rate     share of dialogues that reached emotion 100
+  failure rate     share that fell below 10
+  turns            mean number of agent turns
+  reply length     mean characters of the spoken reply (thoughts excluded)
+  simulator errors dialogues the simulator could not finish (left out of the means)
+
+    python evaluate.py --model runs/rlver/final --model tiny --scenarios data/scenarios_test.jsonl
+    python evaluate.py --model Qwen/Qwen2.5-7B-Instruct --think --simulator openai \\
+        --simulator-base-url http://localhost:8000/v1 --simulator-model deepseek-chat \\
+        --scenarios path/to/test_profile.jsonl
+    python evaluate.py --score other_system.jsonl --score eval/mine/transcripts.jsonl
+
+Outputs under --output-dir: <label>/transcripts.jsonl (one dialogue per line, with the emotion
+trace), summary.json, and emotion_trajectories.png. Resumable: finished dialogues are skipped on
+a rerun, and every simulator call is cached on disk, so an interrupted evaluation never pays for
+the same call twice.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+import threading
+
+log = logging.getLogger("evaluate")
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics (pure functions of transcripts: also used to score other systems' results).
+# --------------------------------------------------------------------------------------------
+def summarize(records: list[dict]) -> dict:
+    ok = [r for r in records if r.get("valid", True) and r.get("outcome") != "simulator_error"]
+    n = len(ok)
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {
+        "dialogues": len(records), "scored": n,
+        "sentient_score": mean([r["emotion"] for r in ok]),
+        "success_rate": mean([float(r["emotion"] >= 100) for r in ok]),
+        "failure_rate": mean([float(r["emotion"] < 10) for r in ok]),
+        "mean_turns": mean([r["turns"] for r in ok]),
+        "mean_reply_length": mean([l for r in ok for l in r.get("reply_lengths", [])]),
+        "simulator_errors": len(records) - n,
+    }
+
+
+_EMOTION_KEYS = ("emotion", "final_emotion", "emo_point", "emo", "score")
+
+
+def normalize_record(obj: dict, where: str) -> dict:
+    """Our transcript format, or another system's result in SAGE's spirit: any JSON object with
+    a final emotion under one of _EMOTION_KEYS, and optionally the dialogue under "history" /
+    "dialog" (list of {"role", "content"}) and an emotion trace ("emotion_trace" / "emo_trace")."""
+    key = next((k for k in _EMOTION_KEYS if k in obj), None)
+    if key is None or not isinstance(obj[key], (int, float)) or isinstance(obj[key], bool):
+        raise ValueError(f"{where}: no numeric final emotion (one of {list(_EMOTION_KEYS)})")
+    hist = obj.get("history") or obj.get("dialog") or []
+    agent = [m["content"] for m in hist if isinstance(m, dict) and m.get("role") in ("assistant", "npc", "agent")]
+    turns = obj.get("turns", len(agent))
+    return {**obj, "emotion": float(obj[key]), "turns": turns,
+            "emotion_trace": obj.get("emotion_trace") or obj.get("emo_trace") or [],
+            "reply_lengths": obj.get("reply_lengths", [len(a) for a in agent]),
+            "valid": obj.get("valid", obj.get("outcome") != "simulator_error")}
+
+
+def load_transcripts(path: str) -> list[dict]:
+    """A JSONL file (one dialogue per line) or a JSON list. Errors name file and line."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such transcript file")
+    text = open(path, encoding="utf-8").read()
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON ({e.msg}, line {e.lineno})") from None
+        return [normalize_record(r, f"{path}[{i}]") for i, r in enumerate(rows)]
+    out = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            out.append(normalize_record(obj, f"{path}:{lineno}"))
+    return out
+
+
+def format_table(summaries: dict[str, dict]) -> str:
+    cols = [("model", None), ("n", "scored"), ("Sentient", "sentient_score"), ("success", "success_rate"),
+            ("failure", "failure_rate"), ("turns", "mean_turns"), ("reply chars", "mean_reply_length"),
+            ("sim errors", "simulator_errors")]
+    fmt = {"success_rate": "{:.1%}", "failure_rate": "{:.1%}", "sentient_score": "{:.1f}", "mean_turns": "{:.2f}",
+           "mean_reply_length": "{:.0f}", "scored": "{}", "simulator_errors": "{}"}
+    rows = [[name] + [fmt[k].format(s[k]) for _, k in cols[1:]] for name, s in summaries.items()]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, (c, _) in enumerate(cols)]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([line([c for c, _ in cols]), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def plot(results: dict[str, list[dict]], png: str, max_turns: int = 10):
+    """Left: mean emotion by turn with the 25-75% band (a dialogue that ended keeps its final
+    emotion). Right: histogram of final emotions."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, recs in results.items():
+        traces = [r["emotion_trace"] for r in recs if r.get("valid", True) and r.get("emotion_trace")]
+        if traces:
+            T = max(max_turns + 1, max(map(len, traces)))
+            m = np.array([t + [t[-1]] * (T - len(t)) for t in traces], dtype=float)
+            x = np.arange(T)
+            a1.plot(x, m.mean(0), label=name, lw=2)
+            a1.fill_between(x, np.percentile(m, 25, 0), np.percentile(m, 75, 0), alpha=0.2)
+        finals = [r["emotion"] for r in recs if r.get("valid", True)]
+        a2.hist(finals, bins=np.linspace(0, 100, 21), alpha=0.5, label=name)
+    a1.set(xlabel="turn", ylabel="emotion", ylim=(0, 100), title="emotion trajectory (mean, 25-75%)")
+    a2.set(xlabel="final emotion", ylabel="dialogues", title="final emotions")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------
+# Playing the benchmark.
+# --------------------------------------------------------------------------------------------
+class CachedBackend:
+    """Wraps an LLM backend: each answer is appended to a JSONL file keyed by a hash of the
+    request, so a rerun after an interruption replays paid calls from disk. (With greedy
+    decoding the agent says the same things again, so the same requests come back.)"""
+
+    def __init__(self, backend, path: str):
+        self.backend, self.path, self.lock = backend, path, threading.Lock()
+        self.parallel = getattr(backend, "parallel", False)
+        self.cache, self.hits, self.misses = {}, 0, 0
+        if os.path.exists(path):
+            for line in open(path, encoding="utf-8"):
+                try:
+                    row = json.loads(line)
+                    self.cache[row["key"]] = row["response"]
+                except (json.JSONDecodeError, KeyError):
+                    continue  # a line cut by a crash: that call is simply made again
+
+    def chat(self, messages):
+        key = hashlib.sha256(json.dumps(messages, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
+        with self.lock:
+            if key in self.cache:
+                self.hits += 1
+                return self.cache[key]
+        response = self.backend.chat(messages)
+        with self.lock:
+            self.misses += 1
+            self.cache[key] = response
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"key": key, "response": response}, ensure_ascii=False) + "\n")
+        return response
+
+
+def label_for(model: str, taken: set) -> str:
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(os.path.normpath(model)) or model)
+    if base == "final":  # runs/NAME/final -> NAME-final
+        base = os.path.basename(os.path.dirname(os.path.normpath(model))) + "-final"
+    label, k = base, 2
+    while label in taken:
+        label, k = f"{base}-{k}", k + 1
+    taken.add(label)
+    return label
+
+
+def load_policy(model: str, seed: int):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rollout import make_tiny_policy
+    from train import pick_attn_implementation
+    if model == "tiny":
+        policy, tok = make_tiny_policy(seed=seed)
+    else:
+        gpu = torch.cuda.is_available()
+        tok = AutoTokenizer.from_pretrained(model)
+        policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16 if gpu else torch.float32,
+                                                      attn_implementation=pick_attn_implementation())
+        policy.to("cuda" if gpu else "cpu")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return policy.eval(), tok
+
+
+def play(policy, tok, sim, scenarios, args, transcript_path: str, label: str) -> list[dict]:
+    """Play the scenarios not yet in `transcript_path`, appending one line per finished
+    dialogue; returns all records of the file."""
+    import torch
+    from tqdm.auto import tqdm
+    from rollout import GenConfig, rollout
+    from reward import split_think
+    done = {r["scenario_id"]: r for r in load_transcripts(transcript_path)} if os.path.exists(transcript_path) else {}
+    todo = [s for s in scenarios if s.id not in done]
+    gen = GenConfig(max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
+                    temperature=args.temperature)
+    bar = tqdm(total=len(scenarios), initial=len(scenarios) - len(todo), desc=label, dynamic_ncols=True)
+    for b in range(0, len(todo), args.batch_size):
+        chunk = todo[b:b + args.batch_size]
+        # A seed per scenario batch: a resumed run samples what the first run would have.
+        torch.manual_seed(args.seed * 1_000_003 + scenarios.index(chunk[0]))
+        batch = rollout(policy, tok, sim, chunk, 1, args.think, gen, compute_logprobs=False)
+        with open(transcript_path, "a", encoding="utf-8") as f:
+            for m in batch.metrics:
+                spoken = [split_think(t)[1] if args.think else t.strip() for t in m["agent_texts"]]
+                rec = {"model": label, "scenario_id": m["scenario_id"], "emotion": m["emotion"],
+                       "outcome": m["outcome"], "turns": m["turns"], "emotion_trace": m["emotion_trace"],
+                       "reply_lengths": [len(s) for s in spoken], "format_violations": m["format_violations"],
+                       "valid": m["valid"], "history": m["history"], "agent_texts": m["agent_texts"]}
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                done[rec["scenario_id"]] = rec
+        bar.update(len(chunk))
+    bar.close()
+    return [done[s.id] for s in scenarios if s.id in done]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Sentient benchmark: play the test scenarios and score them.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", action="append", default=[], help="policy to evaluate (repeat to compare); 'tiny' = random offline model")
+    ap.add_argument("--score", action="append", default=[], help="an existing transcript file to score (repeatable)")
+    ap.add_argument("--scenarios", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "scenarios_test.jsonl"))
+    ap.add_argument("--limit", type=int, default=None, help="only the first N scenarios")
+    ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--initial-emotion", type=int, default=40, help="SAGE: 40")
+    ap.add_argument("--max-turns", type=int, default=10, help="SAGE: 10")
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--max-total-tokens", type=int, default=16384)
+    ap.add_argument("--batch-size", type=int, default=16, help="dialogues played at once")
+    ap.add_argument("--simulator", default="rule", choices=["rule", "openai", "hf"])
+    ap.add_argument("--simulator-base-url", default="")
+    ap.add_argument("--simulator-model", default="")
+    ap.add_argument("--simulator-api-key-env", default="OPENAI_API_KEY")
+    ap.add_argument("--simulator-temperature", type=float, default=0.7)
+    ap.add_argument("--simulator-timeout", type=float, default=120.0)
+    ap.add_argument("--output-dir", default="eval")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if not args.model and not args.score:
+        ap.error("give at least one --model or --score")
+
+    from simulator import ScenarioError, Simulator, load_scenarios, make_backend
+    try:
+        results = {}
+        taken = set()
+        for path in args.score:  # validate inputs before any heavy work
+            results[label_for(os.path.splitext(path)[0], taken)] = load_transcripts(path)
+        if args.model:
+            scenarios = load_scenarios(args.scenarios)[:args.limit]
+            backend = make_backend(args.simulator, args.simulator_base_url, args.simulator_model,
+                                   args.simulator_api_key_env, args.simulator_temperature, args.simulator_timeout,
+                                   seed=args.seed)
+            if hasattr(backend, "check"):
+                backend.check()
+            for m in args.model:
+                if m != "tiny" and (m.startswith((".", "/")) or m.count("/") != 1) and not os.path.isdir(m):
+                    raise ValueError(f"--model {m}: no such model directory")
+    except (ScenarioError, ValueError, ConnectionError) as e:
+        print(f"evaluate.py: error: {e}", file=sys.stderr)
+        return 2
+
+    os.makedirs(args.output_dir, exist_ok=True)
+    if args.model:
+        if not hasattr(backend, "appraise"):  # LLM simulators: cache every paid call on disk
+            backend = CachedBackend(backend, os.path.join(args.output_dir, "simulator_cache.jsonl"))
+        sim = Simulator(backend, initial_emotion=args.initial_emotion, max_turns=args.max_turns)
+        for m in args.model:
+            label = label_for(m, taken)
+            os.makedirs(os.path.join(args.output_dir, label), exist_ok=True)
+            policy, tok = load_policy(m, args.seed)
+            results[label] = play(policy, tok, sim, scenarios, args,
+                                  os.path.join(args.output_dir, label, "transcripts.jsonl"), label)
+            del policy
+        if isinstance(backend, CachedBackend):
+            log.info("simulator calls: %d made, %d replayed from cache", backend.misses, backend.hits)
+
+    summaries = {name: summarize(recs) for name, recs in results.items()}
+    print(format_table(summaries))
+    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+        json.dump({"protocol": {"initial_emotion": args.initial_emotion, "max_turns": args.max_turns,
+                                "think": args.think, "temperature": args.temperature, "seed": args.seed,
+                                "scenarios": args.scenarios if args.model else None},
+                   "results": summaries}, f, indent=1)
+    plot(results, os.path.join(args.output_dir, "emotion_trajectories.png"), args.max_turns)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
