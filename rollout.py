@@ -146,16 +146,33 @@ def user_turn_ids(tokenizer, system: str, user_text: str, eos_id: int) -> list[i
     """Ids that follow a sampled end-of-turn token: the template's tail after `<|im_end|>`
     (Qwen: "\n"), the user turn, and the header of the next assistant turn. Rendered by the
     chat template itself (diffing two renderings), so it is right for any template."""
+    head, tail = _user_turn_template(tokenizer, system, eos_id)
+    return tokenizer.encode(head + user_text + tail, add_special_tokens=False)
+
+
+_SENTINEL = "\u2063USER-TURN\u2063"
+
+
+_DELTA_MEMO: dict = {}  # a pure memo: (template, system, end token) -> text pieces
+
+
+def _user_turn_template(tokenizer, system, eos_id):
+    """(text before, text after) the user's words in a user-turn delta. Rendered once per
+    template/system with a sentinel, then reused (two Jinja renders per dialogue per turn add
+    up at 64 dialogues)."""
     eos = tokenizer.convert_ids_to_tokens(eos_id)
-    base = [{"role": "system", "content": system}, {"role": "user", "content": "u"},
-            {"role": "assistant", "content": "a"}]
-    s1 = tokenizer.apply_chat_template(base, tokenize=False)
-    s2 = tokenizer.apply_chat_template(base + [{"role": "user", "content": user_text}],
-                                       tokenize=False, add_generation_prompt=True)
-    if not s2.startswith(s1) or ("a" + eos) not in s1:
-        raise ValueError("chat template does not render turns as a prefix; cannot build deltas")
-    tail = s1[s1.rindex("a" + eos) + len("a" + eos):]
-    return tokenizer.encode(tail + s2[len(s1):], add_special_tokens=False)
+    key = (tokenizer.chat_template, system, eos)
+    if key not in _DELTA_MEMO:
+        base = [{"role": "system", "content": system}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a"}]
+        s1 = tokenizer.apply_chat_template(base, tokenize=False)
+        s2 = tokenizer.apply_chat_template(base + [{"role": "user", "content": _SENTINEL}],
+                                           tokenize=False, add_generation_prompt=True)
+        if not s2.startswith(s1) or ("a" + eos) not in s1 or s2.count(_SENTINEL) != 1:
+            raise ValueError("chat template does not render turns as a prefix; cannot build deltas")
+        delta = s1[s1.rindex("a" + eos) + len("a" + eos):] + s2[len(s1):]
+        _DELTA_MEMO[key] = tuple(delta.split(_SENTINEL))
+    return _DELTA_MEMO[key]
 
 
 def end_of_turn_id(tokenizer) -> int:

@@ -30,6 +30,8 @@ class FakeOpenAIServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
+
             def log_message(self, *a):  # keep test output quiet
                 pass
 
@@ -86,6 +88,7 @@ class FakeOpenAIServer:
                     with server.lock:
                         server.in_flight -= 1
 
+        ThreadingHTTPServer.request_queue_size = 256  # bursts of 64+ concurrent connections
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -98,3 +101,17 @@ class FakeOpenAIServer:
     def __exit__(self, *exc):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+if __name__ == "__main__":  # a stand-alone server (benchmarks run it in its own process)
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--latency", type=float, default=0.0)
+    a = ap.parse_args()
+    with FakeOpenAIServer(latency=a.latency) as srv:
+        print(srv.base_url, flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
