@@ -101,7 +101,8 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
 
 
 def grpo_update(policy, optimizer, batch, cfg: GRPOConfig, accelerator=None, generator=None) -> dict:
-    """One GRPO update on a rollout Batch (with old_logprobs, and ref_logprobs when KL > 0)."""
+    """One GRPO update on a rollout Batch (old_logprobs may be None when the update is
+    on-policy: one epoch and one minibatch; ref_logprobs are needed when KL > 0)."""
     if len(batch) == 0:
         return {}
     dev = next(policy.parameters()).device
@@ -118,7 +119,10 @@ def grpo_update(policy, optimizer, batch, cfg: GRPOConfig, accelerator=None, gen
             for idx in micro_list:
                 mb = batch.select(idx).to(dev)
                 lp = token_logprobs(policy, mb.input_ids, mb.attention_mask, cfg.temperature)
-                loss, s = grpo_loss(lp, mb.old_logprobs, mb.ref_logprobs, adv[idx].to(dev), mb.loss_mask,
+                # No stored old log-probs: the update is on-policy (one epoch, one minibatch), so
+                # pi_old = pi at this moment, i.e. the detached current log-probs (ratio = 1).
+                old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
+                loss, s = grpo_loss(lp, old, mb.ref_logprobs, adv[idx].to(dev), mb.loss_mask,
                                     cfg.clip_eps, cfg.kl_coef, cfg.agg, n_tok, n_seq)
                 (accelerator.backward(loss) if accelerator is not None else loss.backward())
                 micro.append({"policy_loss": loss.item(), **s})

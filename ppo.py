@@ -246,7 +246,8 @@ def critic_values(critic, batch, micro_batch_size=8):
 
 
 def ppo_update(policy, critic, optimizers, batch, cfg: PPOConfig, accelerator=None, generator=None) -> dict:
-    """One PPO update on a rollout Batch (with old_logprobs). `optimizers` = (actor, critic).
+    """One PPO update on a rollout Batch. `optimizers` = (actor, critic). old_logprobs may be
+    None when the update is on-policy (one epoch, one minibatch): then pi_old = pi.
     With `accelerator`, backward and gradient clipping go through it (FSDP, mixed precision)."""
     actor_opt, critic_opt = optimizers
     if len(batch) == 0:
@@ -255,6 +256,8 @@ def ppo_update(policy, critic, optimizers, batch, cfg: PPOConfig, accelerator=No
     mask = batch.loss_mask.float()
     # 1-4: values at rollout time, rewards, GAE, whitening -- all fixed for the whole update.
     old_values = critic_values(critic, batch, cfg.micro_batch_size) * mask
+    if batch.ref_logprobs is not None and batch.old_logprobs is None:
+        raise ValueError("a KL penalty in the reward needs the rollout's old_logprobs")
     kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, cfg.kl_kind) * mask if batch.ref_logprobs is not None else None
     rew = token_rewards(batch.rewards, batch.loss_mask, kl, cfg.kl_coef)
     adv, returns = compute_gae(rew, old_values, mask, cfg.gamma, cfg.lam)
@@ -271,7 +274,8 @@ def ppo_update(policy, critic, optimizers, batch, cfg: PPOConfig, accelerator=No
                 T = mb.input_ids.shape[1]
                 m = mb.loss_mask.float()
                 lp, ent = token_logprobs(policy, mb.input_ids, mb.attention_mask, cfg.temperature, return_entropy=True)
-                pl, ps = policy_loss(lp, mb.old_logprobs, adv[idx, :T].to(dev), m, cfg.clip_eps, n_tok)
+                old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()  # on-policy: ratio 1
+                pl, ps = policy_loss(lp, old, adv[idx, :T].to(dev), m, cfg.clip_eps, n_tok)
                 ent_loss = -cfg.entropy_coef * masked_mean(ent, m, n_tok)
                 values = critic(mb.input_ids, mb.attention_mask)
                 vl, vs = value_loss(values, old_values[idx, :T].to(dev), returns[idx, :T].to(dev), m, cfg.value_clip, n_tok)

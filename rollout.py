@@ -324,11 +324,13 @@ def collate(rows, pad_id, metrics=None) -> Batch:
 
 
 @torch.no_grad()
-def add_logprobs(batch: Batch, policy, ref_model=None, temperature: float = 1.0, micro_batch: int = 8) -> Batch:
-    """Old-policy (and reference) log-probs of the sampled tokens, computed once per rollout."""
+def add_logprobs(batch: Batch, policy, ref_model=None, temperature: float = 1.0, micro_batch: int = 8,
+                 old: bool = True) -> Batch:
+    """Old-policy (and reference) log-probs of the sampled tokens, computed once per rollout.
+    old=False skips the policy pass (an on-policy update needs no stored old log-probs)."""
     dev = next(policy.parameters()).device
     ids, am = batch.input_ids.to(dev), batch.attention_mask.to(dev)
-    old = token_logprobs(policy, ids, am, temperature, micro_batch).cpu()
+    old = token_logprobs(policy, ids, am, temperature, micro_batch).cpu() if old else None
     ref = None
     if ref_model is not None:
         rdev = next(ref_model.parameters()).device

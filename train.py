@@ -391,7 +391,12 @@ def train(cfg: Config) -> dict:
             batch = rollout(gen_model, tok, sim, local, cfg.group_size, cfg.think, gen_cfg,
                             compute_logprobs=False, generate_kwargs=gen_kwargs)
         t_roll = time.time() - t0
-        batch = add_logprobs(batch, policy, ref, cfg.temperature, cfg.micro_batch_size)
+        # Old log-probs are needed only when the policy changes before the last minibatch is
+        # seen (several epochs or minibatches) or for PPO's KL-in-reward; else ratio = 1 exactly
+        # and the update uses the detached current log-probs (one forward pass fewer).
+        need_old = cfg.epochs > 1 or len(batch) > cfg.minibatch_size or (cfg.algo == "ppo" and ref is not None)
+        if need_old or ref is not None:
+            batch = add_logprobs(batch, policy, ref, cfg.temperature, cfg.micro_batch_size, old=need_old)
         policy.train()
         if cfg.algo == "ppo":
             critic.train()

@@ -226,3 +226,24 @@ def test_value_model_save_and_load(tmp_path):
     am = torch.ones_like(ids)
     assert torch.allclose(critic(ids, am), back(ids, am), atol=1e-5)
     assert (critic(ids, am)[:, 0] == 0).all()  # values[0] is the (unused) state before any token
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_on_policy_update_without_stored_old_logprobs_is_identical(algo):
+    model, tok = make_tiny_policy(seed=5)
+    b = synthetic_batch(model, tok, n=6, seed=5)
+    exact = b.__class__(**{**b.__dict__, "old_logprobs": add_logprobs(b, model).old_logprobs, "ref_logprobs": None})
+    missing = b.__class__(**{**b.__dict__, "old_logprobs": None, "ref_logprobs": None})
+    grads = []
+    for batch in (exact, missing):
+        opt = Capture(model.parameters())
+        if algo == "grpo":
+            grpo_update(model, opt, batch, GRPOConfig(minibatch_size=6, micro_batch_size=3), generator=torch.Generator().manual_seed(0))
+        else:
+            critic = ValueModel.from_config(model.config)
+            torch.manual_seed(0)
+            ppo_update(model, critic, (opt, Capture(critic.parameters())), batch, PPOConfig(minibatch_size=6, micro_batch_size=3),
+                       generator=torch.Generator().manual_seed(0))
+        grads.append(opt.grads[0])
+    for a, c in zip(*grads):
+        assert torch.allclose(a, c, atol=1e-6, rtol=1e-4)

@@ -1,0 +1,201 @@
+"""One training step (generate + log-probs + update), ours vs TRL's GRPOTrainer, same model and batch.
+
+    python benchmarks/bench_train.py                              # CPU, tiny model
+    python benchmarks/bench_train.py --device cuda --model-size 0.5b
+
+The task is single-turn and identical on both sides: 8 prompts x 4 samples = 32 completions of
+up to 32 tokens from the same random Qwen2-architecture model, reward = share of lowercase
+letters and spaces, one optimizer step per batch, no KL, no gradient checkpointing, token-mean
+loss, group-std advantages. Each configuration runs in its own process (peak memory is per
+process); the step time is the mean over --steps steps after one warm-up step.
+
+TRL is installed by the benchmark's user, never by the project:  pip install trl==1.16.0
+(without it the TRL column is skipped). On a GPU the script also reports generation and
+training tokens/s and the model FLOPs utilisation (MFU) of the update.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT]
+
+PROMPT = "<|im_start|>assistant\n"
+GOOD = "abcdefghijklmnopqrstuvwxyz "
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, per GPU
+
+
+def qwen_config_policy(size: str):
+    """A Qwen2-architecture model of a real size from a config (random weights, no download),
+    with the offline byte-level tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from rollout import make_tiny_policy, make_tiny_tokenizer
+    if size == "tiny":
+        return make_tiny_policy(seed=0)
+    shapes = {"0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                           intermediate_size=4864),
+              "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                           intermediate_size=8960)}[size]
+    tok = make_tiny_tokenizer()
+    cfg = Qwen2Config(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **shapes)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg), tok
+
+
+def rss_mb():
+    import psutil
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def worker(args):
+    import torch
+    from transformers.utils import is_flash_attn_2_available
+    cuda = args.device == "cuda"
+    model, tok = qwen_config_policy(args.model_size)
+    attn = "flash_attention_2" if cuda and is_flash_attn_2_available() else "sdpa"
+    model.config._attn_implementation = attn
+    model.to(args.device, dtype=torch.bfloat16 if cuda else torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    B = args.prompts * args.group
+    times, gen_times, upd_times, tokens = [], [], [], []
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    if args.worker in ("ours-grpo", "ours-ppo"):
+        from grpo import GRPOConfig, grpo_update
+        from ppo import PPOConfig, ValueModel, ppo_update
+        from rollout import GenConfig, add_logprobs, collate, generate_turn
+        good = set(tok.encode(GOOD))
+        prompt = tok.encode(PROMPT)
+        gen = GenConfig(max_new_tokens=args.length, temperature=1.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+        if args.worker == "ours-ppo":
+            critic = ValueModel.from_config(model.config).to(args.device, dtype=model.dtype)
+            copt = torch.optim.AdamW(critic.parameters(), lr=1e-5, weight_decay=0.0)
+            cfg = PPOConfig(minibatch_size=B, micro_batch_size=args.micro, entropy_coef=0.0)
+        else:
+            cfg = GRPOConfig(minibatch_size=B, micro_batch_size=args.micro)
+
+        def step():
+            sync(); t0 = time.perf_counter()
+            outs = generate_turn(model, [prompt] * B, gen, tok.eos_token_id, tok.pad_token_id)
+            sync(); t1 = time.perf_counter()
+            rows = [(prompt + o, [0] * len(prompt) + [1] * len(o), sum(t in good for t in o) / args.length, n // args.group, n)
+                    for n, o in enumerate(outs)]
+            batch = collate(rows, tok.pad_token_id)
+            if cfg.epochs > 1 or len(batch) > cfg.minibatch_size:  # else the update is on-policy
+                batch = add_logprobs(batch, model, micro_batch=args.micro)
+            if args.worker == "ours-ppo":
+                ppo_update(model, critic, (opt, copt), batch, cfg)
+            else:
+                grpo_update(model, opt, batch, cfg)
+            sync(); t2 = time.perf_counter()
+            return t2 - t0, t1 - t0, t2 - t1, int(batch.attention_mask.sum())
+
+        base = rss_mb()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        for i in range(args.steps + 1):
+            t, tg, tu, n = step()
+            if i:
+                times.append(t), gen_times.append(tg), upd_times.append(tu), tokens.append(n)
+    else:  # TRL
+        from datasets import Dataset
+        from transformers import TrainerCallback
+        from trl import GRPOConfig as TRLConfig, GRPOTrainer
+
+        def reward(completions, **kw):
+            return [sum(c in GOOD for c in text) / args.length for text in completions]
+
+        class Timer(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                sync(); self.t = time.perf_counter()
+
+            def on_step_end(self, *a, **k):
+                sync(); times.append(time.perf_counter() - self.t)
+
+        out = tempfile.mkdtemp()
+        tcfg = TRLConfig(output_dir=out, per_device_train_batch_size=B, num_generations=args.group,
+                         max_completion_length=args.length, learning_rate=1e-5, beta=0.0, temperature=1.0,
+                         max_steps=args.steps + 1, logging_steps=10_000, save_strategy="no", report_to="none",
+                         use_cpu=not cuda, bf16=cuda, gradient_checkpointing=False, seed=0, disable_tqdm=True,
+                         dataloader_num_workers=0, gradient_accumulation_steps=1, weight_decay=0.0)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=tcfg, processing_class=tok,
+                              train_dataset=Dataset.from_dict({"prompt": [PROMPT] * (B * (args.steps + 2))}),
+                              callbacks=[Timer()])
+        base = rss_mb()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+        times = times[1:]
+        tokens = [B * (len(tok.encode(PROMPT)) + args.length)] * len(times)  # upper bound, for tokens/s
+    peak = (torch.cuda.max_memory_allocated() / 2**20) if cuda else \
+        (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base)
+    res = {"worker": args.worker, "step_s": sum(times) / len(times), "peak_mb": peak, "params": n_params,
+           "tokens_per_step": sum(tokens) / len(tokens), "attn": attn}
+    if gen_times:
+        res["gen_s"] = sum(gen_times) / len(gen_times)
+        res["update_s"] = sum(upd_times) / len(upd_times)
+        res["gen_tokens_per_s"] = B * args.length / res["gen_s"]
+        if cuda:
+            name = torch.cuda.get_device_name()
+            peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+            # forward + backward = 6 N flops per token (policy; PPO's critic is the same size again)
+            flops = 6 * n_params * res["tokens_per_step"] * (2 if args.worker == "ours-ppo" else 1)
+            res["train_tokens_per_s"] = res["tokens_per_step"] / res["update_s"]
+            res["mfu"] = flops / res["update_s"] / peak_flops if peak_flops else None
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model-size", default="tiny", choices=["tiny", "0.5b", "1.5b"])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--length", type=int, default=32, help="max completion tokens")
+    ap.add_argument("--micro", type=int, default=32, help="rows per forward/backward (ours)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--only", nargs="+", default=["ours-grpo", "ours-ppo", "trl-grpo"])
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    print("command: python benchmarks/bench_train.py " + " ".join(sys.argv[1:]))
+    print(f"{args.model_size} model on {args.device}; batch {args.prompts} prompts x {args.group} samples, "
+          f"<= {args.length} new tokens; mean of {args.steps} steps after 1 warm-up")
+    results = {}
+    for w in args.only:
+        if w.startswith("trl"):
+            try:
+                import trl  # noqa: F401
+            except ImportError:
+                print(f"{w}: skipped (pip install trl==1.16.0 to compare)")
+                continue
+        p = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", w], capture_output=True, text=True)
+        line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+            print(f"{w}: failed\n{p.stderr[-3000:]}")
+            continue
+        results[w] = json.loads(line[7:])
+    print(f"{'run':<10} {'step s':>8} {'peak MB':>9} {'gen s':>7} {'update s':>9}  extra")
+    for w, r in results.items():
+        extra = ""
+        if "mfu" in r:
+            extra = f"gen {r['gen_tokens_per_s']:.0f} tok/s, train {r['train_tokens_per_s']:.0f} tok/s, MFU {r['mfu'] or float('nan'):.1%}"
+        print(f"{w:<10} {r['step_s']:>8.3f} {r['peak_mb']:>9.0f} {r.get('gen_s', float('nan')):>7.3f} "
+              f"{r.get('update_s', float('nan')):>9.3f}  {extra}")
+    if "trl-grpo" in results and "ours-grpo" in results:
+        o, t = results["ours-grpo"], results["trl-grpo"]
+        print(f"ours / TRL GRPO step time: {o['step_s'] / t['step_s']:.2f}   peak memory: {o['peak_mb'] / max(t['peak_mb'], 1e-9):.2f}")
+
+
+if __name__ == "__main__":
+    main()
