@@ -258,6 +258,7 @@ def main(argv=None):
         ap.error("give at least one --model or --score")
 
     from simulator import ScenarioError, Simulator, load_scenarios, make_backend
+    from train import InputError, check_model_arg
     try:
         results = {}
         taken = set()
@@ -271,9 +272,8 @@ def main(argv=None):
             if hasattr(backend, "check"):
                 backend.check()
             for m in args.model:
-                if m != "tiny" and (m.startswith((".", "/")) or m.count("/") != 1) and not os.path.isdir(m):
-                    raise ValueError(f"--model {m}: no such model directory")
-    except (ScenarioError, ValueError, ConnectionError) as e:
+                check_model_arg("--model", m)
+    except (ScenarioError, ValueError, ConnectionError, InputError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
 

@@ -118,14 +118,14 @@ def grpo_update(policy, optimizer, batch, cfg: GRPOConfig, accelerator=None, gen
             micro = []
             for idx in micro_list:
                 mb = batch.select(idx).to(dev)
-                lp = token_logprobs(policy, mb.input_ids, mb.attention_mask, cfg.temperature)
+                lp, ent = token_logprobs(policy, mb.input_ids, mb.attention_mask, cfg.temperature, return_entropy=True)
                 # No stored old log-probs: the update is on-policy (one epoch, one minibatch), so
                 # pi_old = pi at this moment, i.e. the detached current log-probs (ratio = 1).
                 old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
                 loss, s = grpo_loss(lp, old, mb.ref_logprobs, adv[idx].to(dev), mb.loss_mask,
                                     cfg.clip_eps, cfg.kl_coef, cfg.agg, n_tok, n_seq)
                 (accelerator.backward(loss) if accelerator is not None else loss.backward())
-                micro.append({"policy_loss": loss.item(), **s})
+                micro.append({"policy_loss": loss.item(), "entropy": masked_mean(ent.detach(), mb.loss_mask.float()).item(), **s})
             stats.append(_minibatch_stats(micro, grad_norm=_step(policy, optimizer, cfg.max_grad_norm, accelerator)))
     out = _mean(stats)
     out["advantage_abs_mean"] = adv.abs().mean().item()

@@ -105,26 +105,31 @@ class Batch:
 # Log-probs of given tokens, aligned to input positions.
 # --------------------------------------------------------------------------------------------
 def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
-                   micro_batch: int | None = None, return_entropy: bool = False):
+                   micro_batch: int | None = None, return_entropy: bool = False, entropy_grad: bool = False):
     """out[n, t] = log p(input_ids[n, t] | input_ids[n, <t]) (position 0 and padding = 0).
 
     The logits tensor (rows x length x vocab, 151k for Qwen) dominates memory, so rows go
-    through the model `micro_batch` at a time and log-softmax runs in float32 on one row at a
-    time. Logits are divided by the sampling temperature so these are the log-probs of the
-    distribution we actually sampled from. Differentiable (no no_grad here)."""
+    through the model `micro_batch` at a time, and log-probs are taken one row at a time, in
+    float32, as logit[token] - logsumexp(logits): no [length x vocab] log-softmax tensor is
+    kept for backward. Logits are divided by the sampling temperature so these are the
+    log-probs of the distribution we actually sampled from. Differentiable. The entropy
+    (return_entropy) carries gradient only with entropy_grad (PPO's entropy bonus); as a
+    statistic it is computed without building a graph."""
     N, T = input_ids.shape
     micro_batch = micro_batch or N
     lps, ents = [], []
     for s in range(0, N, micro_batch):
         ids, am = input_ids[s:s + micro_batch], attention_mask[s:s + micro_batch]
         logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits[:, :-1]
-        for r in range(ids.shape[0]):  # one row at a time in float32 bounds peak memory
-            lg = logits[r].float() / temperature
-            logp = F.log_softmax(lg, dim=-1)
-            lp = logp.gather(-1, ids[r, 1:, None]).squeeze(-1)
-            lps.append(F.pad(lp, (1, 0)))
-            if return_entropy:
-                ents.append(F.pad(-(logp.exp() * logp).sum(-1), (1, 0)))
+        for r in range(ids.shape[0]):
+            lg = logits[r].float()  # a copy only for half-precision models
+            if temperature != 1.0:
+                lg = lg / temperature
+            lse = torch.logsumexp(lg, dim=-1)
+            lps.append(F.pad(lg.gather(-1, ids[r, 1:, None]).squeeze(-1) - lse, (1, 0)))
+            if return_entropy:  # H = logsumexp - sum(p * logit)
+                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                    ents.append(F.pad(lse - (torch.softmax(lg, dim=-1) * lg).sum(-1), (1, 0)))
     mask = attention_mask.to(torch.bool)
     lp = torch.stack(lps) * mask
     if return_entropy:

@@ -461,11 +461,15 @@ class Simulator:
                 st.outcome = "success"
             elif st.emotion < 10:
                 st.outcome = "failure"
+            st.trace.append({"turn": st.turn, "emotion_before": before, "emotion_after": st.emotion,
+                             "change": change, "raw_change": int(raw), "reasoning": reasoning,
+                             "agent": agent_reply, "user": ""})
             # No user line after the last turn: nobody would read it (saves one call/dialogue).
-            user_text, bye = "", False
+            bye = False
             if st.outcome or st.turn < max_turns:
                 user_text, bye = self._respond(st, final=st.outcome is not None)
                 st.history.append({"role": "user", "content": user_text})
+                st.trace[-1]["user"] = user_text
         except SimulatorError as e:
             return self._error(st, str(e))
         if st.outcome is None and bye:
@@ -473,9 +477,6 @@ class Simulator:
         if st.outcome is None and st.turn >= max_turns:
             st.outcome = "max_turns"
         st.done = st.outcome is not None
-        st.trace.append({"turn": st.turn, "emotion_before": before, "emotion_after": st.emotion,
-                         "change": change, "raw_change": int(raw), "reasoning": reasoning,
-                         "agent": agent_reply, "user": user_text})
         return st
 
     def step_many(self, states: list[UserState], replies: list[str]) -> list[UserState]:
@@ -591,6 +592,8 @@ _FEATURE_WORDS = {
     "acknowledge": ["sounds", "feel", "understand", "must be", "hard", "tough", "frustrat",
                     "hurt", "sorry", "makes sense", "of course", "感受", "理解", "难受", "辛苦", "委屈"],
     "open_question": ["what ", "how ", "why ", "tell me", "would you", "什么", "怎么", "为什么", "吗"],
+    "dismissive": ["get over it", "stop whining", "whatever", "calm down", "not a big deal", "your own fault",
+                   "overreacting", "别想了", "想开点", "至于吗", "你想多了"],
 }
 _GOAL_WORDS = {
     "advice": ["try", "could", "suggest", "step", "plan", "maybe you", "might", "建议", "试试", "可以"],
@@ -641,7 +644,7 @@ class RuleBackend:
 
     parallel = False
     WEIGHTS = {"readable": 3.0, "length_ok": 1.0, "acknowledge": 2.0, "reflect": 1.5,
-               "open_question": 1.5, "goal": 3.0, "repetition": -4.0}
+               "open_question": 1.5, "goal": 3.0, "repetition": -4.0, "dismissive": -6.0}
     BASELINE = -3.0  # the user is in a bad place: an empty or useless reply makes things worse
 
     def __init__(self, seed: int = 0):
@@ -664,6 +667,7 @@ class RuleBackend:
                 1.0 if any(k in low for k in _FEATURE_WORDS["open_question"]) else 0.5),
             "goal": min(1.0, sum(k in low for k in _GOAL_WORDS.get(goal_type, [])) / 2),
             "repetition": (1 - len(set(content)) / len(content)) if len(content) >= 4 else 0.0,
+            "dismissive": float(any(k in low for k in _FEATURE_WORDS["dismissive"])),
         }
         return f
 
@@ -696,9 +700,8 @@ class RuleBackend:
         text = rng.choice(_REPLIES[lang][level])
         if level in (2, 3, 4) and rng.random() < 0.5:
             text += " " + _GOAL_HINTS[lang].get(sc.goal_type, "")
-        # Very low and still sinking: the user walks away.
-        last = state.trace[-1]["change"] if state.trace else 0
-        bye = level == 1 and last <= -5 if state.trace else False
+        # Very low and still sinking fast: the user walks away. (trace[-1] is this turn.)
+        bye = level == 1 and bool(state.trace) and state.trace[-1]["change"] <= -5
         return text.strip(), bye
 
     def opening(self, sc: Scenario) -> str:

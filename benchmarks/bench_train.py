@@ -75,10 +75,10 @@ def worker(args):
         good = set(tok.encode(GOOD))
         prompt = tok.encode(PROMPT)
         gen = GenConfig(max_new_tokens=args.length, temperature=1.0)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)  # as train.py
         if args.worker == "ours-ppo":
             critic = ValueModel.from_config(model.config).to(args.device, dtype=model.dtype)
-            copt = torch.optim.AdamW(critic.parameters(), lr=1e-5, weight_decay=0.0)
+            copt = torch.optim.AdamW(critic.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
             cfg = PPOConfig(minibatch_size=B, micro_batch_size=args.micro, entropy_coef=0.0)
         else:
             cfg = GRPOConfig(minibatch_size=B, micro_batch_size=args.micro)

@@ -65,7 +65,7 @@ def test_tiny_model_plays_the_protocol(tmp_path, capsys):
 
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     assert main(["--model", "./nope", "--output-dir", str(tmp_path)]) == 2
-    assert "no such model directory" in capsys.readouterr().err
+    assert "--model ./nope: no model there" in capsys.readouterr().err
     assert main(["--score", str(tmp_path / "missing.jsonl")]) == 2
     assert "no such transcript file" in capsys.readouterr().err
 

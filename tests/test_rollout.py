@@ -251,3 +251,18 @@ def test_user_turn_delta_for_both_templates(tiny):
     _, tok = tiny
     d = user_turn_ids(tok, "sys", "hello", tok.eos_token_id)
     assert tok.decode(d) == "\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_entropy_matches_definition_and_its_gradient_is_optional(tiny):
+    model, tok = tiny
+    ids = torch.randint(0, 256, (2, 9))
+    am = torch.ones_like(ids)
+    am[1, 6:] = 0
+    lp, ent = token_logprobs(model, ids, am, temperature=0.8, return_entropy=True)
+    logp = torch.log_softmax(model(input_ids=ids, attention_mask=am).logits[:, :-1].float() / 0.8, -1)
+    ref = -(logp.exp() * logp).sum(-1)
+    assert torch.allclose(ent[:, 1:] * am[:, 1:], ref * am[:, 1:], atol=1e-5)
+    assert torch.allclose(lp[:, 1:], logp.gather(-1, ids[:, 1:, None]).squeeze(-1) * am[:, 1:], atol=1e-5)
+    assert not ent.requires_grad and lp.requires_grad
+    _, ent = token_logprobs(model, ids, am, return_entropy=True, entropy_grad=True)
+    assert ent.requires_grad

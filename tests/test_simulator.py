@@ -196,6 +196,16 @@ def test_rule_backend_features_are_graded():
     assert f("What happened?", "", "")["open_question"] == 1.0
 
 
+def test_rule_user_walks_away_when_very_low_and_sinking():
+    sim = Simulator(RuleBackend(), initial_emotion=25, max_turns=10)
+    st = sim.reset(sc(personality_type="negative", goal_type="empathy"))
+    while not st.done:
+        st = sim.step(st, "Whatever. Just get over it and stop whining.")
+    # 25 -> 18: below 20 (the lowest level) and down by >= 5 this turn -> the user leaves
+    assert (st.outcome, st.emotion, st.turn, st.trace[-1]["change"]) == ("goodbye", 18, 1, -7)
+    assert "dismissive -6.0" in st.trace[-1]["reasoning"]
+
+
 def test_avoidant_user_dislikes_many_questions():
     r = RuleBackend()
     one = "That sounds hard. What happened?"
