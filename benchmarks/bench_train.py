@@ -7,7 +7,8 @@ The task is single-turn and identical on both sides: 8 prompts x 4 samples = 32 
 up to 32 tokens from the same random Qwen2-architecture model, reward = share of lowercase
 letters and spaces, one optimizer step per batch, no KL, no gradient checkpointing, token-mean
 loss, group-std advantages. Each configuration runs in its own process (peak memory is per
-process); the step time is the mean over --steps steps after one warm-up step.
+process); a run's step time is the mean over --steps steps after one warm-up step, and the
+table shows the median of --rounds interleaved runs.
 
 TRL is installed by the benchmark's user, never by the project:  pip install trl==1.16.0
 (without it the TRL column is skipped). On a GPU the script also reports generation and
@@ -165,26 +166,29 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--only", nargs="+", default=["ours-grpo", "ours-ppo", "trl-grpo"])
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each, interleaved; medians are reported")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     print("command: python benchmarks/bench_train.py " + " ".join(sys.argv[1:]))
     print(f"{args.model_size} model on {args.device}; batch {args.prompts} prompts x {args.group} samples, "
-          f"<= {args.length} new tokens; mean of {args.steps} steps after 1 warm-up")
-    results = {}
-    for w in args.only:
-        if w.startswith("trl"):
-            try:
-                import trl  # noqa: F401
-            except ImportError:
-                print(f"{w}: skipped (pip install trl==1.16.0 to compare)")
+          f"<= {args.length} new tokens; mean of {args.steps} steps after 1 warm-up; median of {args.rounds} runs")
+    runs = {}
+    for _ in range(args.rounds):  # interleaved, so a slow spell of the machine hits all alike
+        for w in args.only:
+            if w.startswith("trl"):
+                try:
+                    import trl  # noqa: F401
+                except ImportError:
+                    print(f"{w}: skipped (pip install trl==1.16.0 to compare)")
+                    continue
+            p = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", w], capture_output=True, text=True)
+            line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+            if line is None:
+                print(f"{w}: failed\n{p.stderr[-3000:]}")
                 continue
-        p = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", w], capture_output=True, text=True)
-        line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if line is None:
-            print(f"{w}: failed\n{p.stderr[-3000:]}")
-            continue
-        results[w] = json.loads(line[7:])
+            runs.setdefault(w, []).append(json.loads(line[7:]))
+    results = {w: sorted(rs, key=lambda r: r["step_s"])[len(rs) // 2] for w, rs in runs.items()}  # median run
     print(f"{'run':<10} {'step s':>8} {'peak MB':>9} {'gen s':>7} {'update s':>9}  extra")
     for w, r in results.items():
         extra = ""
