@@ -96,6 +96,26 @@ class Batch:
         return dataclasses.replace(self, **{f.name: cut(getattr(self, f.name)) for f in dataclasses.fields(self)
                                             if f.name != "metrics"})
 
+    def pad_to(self, n: int, pad_id: int) -> "Batch":
+        """Append rows with an all-zero loss mask (and a group of their own) up to n rows. Under
+        FSDP every process must run the same number of forward/backward passes; a padding row
+        takes part in them and contributes exactly zero gradient."""
+        k = n - len(self)
+        if k <= 0:
+            return self
+        T = max(self.input_ids.shape[1], 2)
+        grow = lambda x, v: torch.cat([F.pad(x, (0, T - x.shape[1]), value=v),  # noqa: E731
+                                       torch.full((k, T), v, dtype=x.dtype)]) if x is not None else None
+        am = grow(self.attention_mask, 0)
+        am[len(self):, :2] = 1  # two real (padding) tokens so a forward pass is well defined
+        first_free = int(self.group_ids.max()) + 1 if len(self) else 0
+        return dataclasses.replace(
+            self, input_ids=grow(self.input_ids, pad_id), attention_mask=am, loss_mask=grow(self.loss_mask, 0),
+            old_logprobs=grow(self.old_logprobs, 0.0), ref_logprobs=grow(self.ref_logprobs, 0.0),
+            rewards=torch.cat([self.rewards, torch.zeros(k)]),
+            group_ids=torch.cat([self.group_ids, torch.arange(first_free, first_free + k)]),
+            dialogue_ids=torch.cat([self.dialogue_ids, -1 - torch.arange(k)]))
+
     def to(self, device) -> "Batch":
         mv = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
         return dataclasses.replace(self, **{f.name: mv(getattr(self, f.name)) for f in dataclasses.fields(self)})
@@ -217,12 +237,15 @@ def generate_turn(policy, contexts: list[list[int]], cfg: GenConfig, eos_id: int
 # --------------------------------------------------------------------------------------------
 def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think: bool = True,
             gen_cfg: GenConfig | None = None, ref_model=None, compute_logprobs: bool = True,
-            progress=None, generate_kwargs: dict | None = None) -> Batch:
+            progress=None, generate_kwargs: dict | None = None, any_active=None) -> Batch:
     """Play len(scenarios) x group_size dialogues to the end and return a right-padded Batch.
 
     Dialogues that end in `simulator_error` are reported in `metrics` (valid=False) and left out
     of the Batch rows: they carry no reward signal (never a reward of 0). `generate_kwargs` go
-    to `generate` (train.py passes synced_gpus under FSDP)."""
+    to `generate` (train.py passes synced_gpus under FSDP). `any_active(local: bool) -> bool`
+    (several processes under FSDP) says whether any process still has dialogues running: a
+    process whose dialogues all ended keeps joining each turn's generate with a dummy prompt,
+    since every generate is a collective and a missing process would deadlock the others."""
     cfg = gen_cfg or GenConfig()
     eos_id = end_of_turn_id(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
@@ -245,14 +268,17 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
     stopped = [None] * D                # rollout-side stop reason ("max_tokens")
 
     active = [i for i in range(D) if not states[i].done]
-    while active:
+    while True:
         # The token budget: a dialogue that cannot fit another full turn stops here.
         for i in list(active):
             if len(ctx[i]) + cfg.max_new_tokens > cfg.max_total_tokens:
                 stopped[i] = "max_tokens"
                 active.remove(i)
-        if not active:
+        if not (any_active(bool(active)) if any_active else active):
             break
+        if not active:  # only other processes have work: join their collective generate
+            generate_turn(policy, [[eos_id]], cfg, eos_id, pad_id, **(generate_kwargs or {}))
+            continue
         outs = generate_turn(policy, [ctx[i] for i in active], cfg, eos_id, pad_id, **(generate_kwargs or {}))
         replies = []
         for i, toks in zip(active, outs):

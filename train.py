@@ -390,6 +390,10 @@ def train(cfg: Config) -> dict:
                 if cfg.algo == "ppo" else GRPOConfig(scale=cfg.adv_scale, agg=cfg.loss_agg, **common))
     gen = torch.Generator().manual_seed(cfg.seed + 7919 * accelerator.process_index)
 
+    def any_active(local: bool) -> bool:  # does any process still have dialogues running?
+        flag = torch.tensor([float(local)], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"{cfg.algo}",
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     last = {}
@@ -401,8 +405,14 @@ def train(cfg: Config) -> dict:
         policy.eval()
         with generation_mode(accelerator, policy) as (gen_model, gen_kwargs):
             batch = rollout(gen_model, tok, sim, local, cfg.group_size, cfg.think, gen_cfg,
-                            compute_logprobs=False, generate_kwargs=gen_kwargs)
+                            compute_logprobs=False, generate_kwargs=gen_kwargs,
+                            any_active=any_active if accelerator.num_processes > 1 else None)
         t_roll = time.time() - t0
+        if accelerator.num_processes > 1:
+            # Equal row counts on every process -> equal numbers of forward/backward passes
+            # (FSDP collectives); padding rows have an all-zero loss mask.
+            rows = accelerator.gather(torch.tensor([len(batch)], device=accelerator.device)).max().item()
+            batch = batch.pad_to(int(rows), tok.pad_token_id)
         # Old log-probs are needed only when the policy changes before the last minibatch is
         # seen (several epochs or minibatches) or for PPO's KL-in-reward; else ratio = 1 exactly
         # and the update uses the detached current log-probs (one forward pass fewer).

@@ -247,3 +247,27 @@ def test_on_policy_update_without_stored_old_logprobs_is_identical(algo):
         grads.append(opt.grads[0])
     for a, c in zip(*grads):
         assert torch.allclose(a, c, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_padding_rows_contribute_zero_gradient(algo):
+    """Batch.pad_to equalises row counts across FSDP processes without changing the update."""
+    model, tok = make_tiny_policy(seed=6)
+    b = synthetic_batch(model, tok, n=5, seed=6)
+    padded = b.pad_to(8, tok.pad_token_id)
+    assert len(padded) == 8 and padded.loss_mask[5:].sum() == 0 and len(set(padded.group_ids[5:].tolist())) == 3
+    grads = []
+    for batch in (b, padded):
+        opt = Capture(model.parameters())
+        if algo == "grpo":
+            grpo_update(model, opt, batch, GRPOConfig(minibatch_size=8, micro_batch_size=3, kl_coef=0.1))
+        else:
+            torch.manual_seed(0)  # the same critic for both batches
+            critic = ValueModel.from_config(model.config)
+            torch.nn.init.normal_(critic.value_head.weight, std=0.1)
+            ppo_update(model, critic, (opt, Capture(critic.parameters())), batch, PPOConfig(minibatch_size=8, micro_batch_size=3))
+        grads.append(opt.grads[0])
+    for a, c in zip(*grads):
+        assert torch.allclose(a, c, atol=1e-6, rtol=1e-4)
+    empty = b.select([]).pad_to(2, tok.pad_token_id)
+    assert len(empty) == 2 and empty.loss_mask.sum() == 0 and empty.attention_mask.sum() == 4

@@ -266,3 +266,20 @@ def test_entropy_matches_definition_and_its_gradient_is_optional(tiny):
     assert not ent.requires_grad and lp.requires_grad
     _, ent = token_logprobs(model, ids, am, return_entropy=True, entropy_grad=True)
     assert ent.requires_grad
+
+
+def test_process_without_work_keeps_joining_generate(tiny):
+    """Under FSDP a process whose dialogues ended must keep calling generate while others run."""
+    _, tok = tiny
+    policy = ScriptedPolicy(tok, ["That sounds hard."])
+    others_running = iter([True, True, False])  # consulted once ours are done: 2 more turns elsewhere
+    seen = []
+    def any_active(local):
+        seen.append(local)
+        return local or next(others_running)
+    b = rollout(policy, tok, sim(max_turns=2), SC[:1], think=False, gen_cfg=GenConfig(max_new_tokens=16),
+                compute_logprobs=False, any_active=any_active)
+    assert seen == [True, True, False, False, False] and len(policy.returned) == 4  # 2 real + 2 dummy
+    ref = rollout(ScriptedPolicy(tok, ["That sounds hard."]), tok, sim(max_turns=2), SC[:1], think=False,
+                  gen_cfg=GenConfig(max_new_tokens=16), compute_logprobs=False)
+    assert torch.equal(b.input_ids, ref.input_ids) and torch.equal(b.loss_mask, ref.loss_mask)
