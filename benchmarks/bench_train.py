@@ -32,9 +32,10 @@ GOOD = "abcdefghijklmnopqrstuvwxyz "
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, per GPU
 
 
-def qwen_config_policy(size: str):
+def qwen_config_policy(size: str, untie: bool = False):
     """A Qwen2-architecture model of a real size from a config (random weights, no download),
-    with the offline byte-level tokenizer."""
+    with the offline byte-level tokenizer. Qwen2.5-0.5B/1.5B tie the LM head to the input
+    embedding; 7B (the paper's policy) does not: `untie` gives the untied variant."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from rollout import make_tiny_policy, make_tiny_tokenizer
@@ -45,7 +46,7 @@ def qwen_config_policy(size: str):
               "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                            intermediate_size=8960)}[size]
     tok = make_tiny_tokenizer()
-    cfg = Qwen2Config(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
+    cfg = Qwen2Config(vocab_size=151936, tie_word_embeddings=not untie, max_position_embeddings=4096,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **shapes)
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg), tok
@@ -60,7 +61,7 @@ def worker(args):
     import torch
     from transformers.utils import is_flash_attn_2_available
     cuda = args.device == "cuda"
-    model, tok = qwen_config_policy(args.model_size)
+    model, tok = qwen_config_policy(args.model_size, args.untie)
     attn = "flash_attention_2" if cuda and is_flash_attn_2_available() else "sdpa"
     model.config._attn_implementation = attn
     model.to(args.device, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -159,6 +160,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model-size", default="tiny", choices=["tiny", "0.5b", "1.5b"])
+    ap.add_argument("--untie", action="store_true", help="separate LM head and input embedding (as in Qwen2.5-7B)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--length", type=int, default=32, help="max completion tokens")
