@@ -170,6 +170,8 @@ def main():
     ap.add_argument("--only", nargs="+", default=["ours-grpo", "ours-ppo", "trl-grpo"])
     ap.add_argument("--rounds", type=int, default=3, help="runs of each, interleaved; medians are reported")
     args = ap.parse_args()
+    if args.untie and args.model_size == "tiny":
+        ap.error("--untie needs --model-size 0.5b or 1.5b (the tiny model is always tied)")
     if args.worker:
         return worker(args)
     print("command: python benchmarks/bench_train.py " + " ".join(sys.argv[1:]))
