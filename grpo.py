@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ppo import _mean, _minibatch_stats, _step, clipped_surrogate, kl_penalty, masked_mean, minibatches
+from ppo import (_mean, _minibatch_stats, _step, backward, clipped_surrogate, global_counts, kl_penalty,
+                 masked_mean, minibatches)
 from rollout import token_logprobs
 
 
@@ -114,7 +115,8 @@ def grpo_update(policy, optimizer, batch, cfg: GRPOConfig, accelerator=None, gen
     for _ in range(cfg.epochs):
         for micro_list in minibatches(len(batch), cfg.minibatch_size, cfg.micro_batch_size, generator):
             rows = torch.cat(micro_list)
-            n_tok, n_seq = mask[rows].sum(), (mask[rows].sum(1) > 0).sum()
+            # Token and sequence counts of the minibatch over ALL processes (ppo.global_counts).
+            n_tok, n_seq = global_counts(accelerator, mask[rows].sum(), (mask[rows].sum(1) > 0).sum())
             micro = []
             for idx in micro_list:
                 mb = batch.select(idx).to(dev)
@@ -124,7 +126,7 @@ def grpo_update(policy, optimizer, batch, cfg: GRPOConfig, accelerator=None, gen
                 old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
                 loss, s = grpo_loss(lp, old, mb.ref_logprobs, adv[idx].to(dev), mb.loss_mask,
                                     cfg.clip_eps, cfg.kl_coef, cfg.agg, n_tok, n_seq)
-                (accelerator.backward(loss) if accelerator is not None else loss.backward())
+                backward(loss, accelerator)
                 micro.append({"policy_loss": loss.item(), "entropy": masked_mean(ent.detach(), mb.loss_mask.float()).item(), **s})
             stats.append(_minibatch_stats(micro, grad_norm=_step(policy, optimizer, cfg.max_grad_norm, accelerator)))
     out = _mean(stats)

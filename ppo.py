@@ -63,12 +63,48 @@ def masked_mean(x, mask, denom=None):
     return masked_sum(x, mask) / d.clamp(min=1)
 
 
-def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+def all_sum(x, accelerator=None):
+    """Sum of a tensor over all processes (identity with one process). The RL math below is
+    written for ONE batch; with several processes each holds a slice of it, and every
+    normalising count or statistic must be taken over the whole step, not the slice."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return x
+    return accelerator.reduce(x.to(accelerator.device), reduction="sum").to(x.device)
+
+
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8, accelerator=None):
+    """(x - mean) / std over the masked tokens of the whole step (all processes: PPO whitens
+    the batch's advantages as one set, as verl does on its driver)."""
     m = mask.to(x.dtype)
-    mean = masked_mean(x, m)
-    var = masked_mean((x - mean) ** 2, m)
+    n = all_sum(m.sum(), accelerator).clamp(min=1)
+    mean = all_sum(masked_sum(x, m), accelerator) / n
+    var = all_sum(masked_sum((x - mean) ** 2, m), accelerator) / n
     out = (x - mean) * torch.rsqrt(var + eps)
     return (out if shift_mean else out + mean) * m
+
+
+def global_counts(accelerator, *counts):
+    """A minibatch's token (and sequence) counts summed over all processes -> float tensors.
+
+    Why: each process computes the loss of its own rows, and DDP/FSDP then AVERAGE the
+    gradients over the processes. Dividing by the local count would give a mean of per-process
+    means: a process with 7 tokens would weigh as much as one with 44, and a process holding
+    only padding rows would halve the gradient. Instead every process divides its loss SUM by
+    the GLOBAL count (one all-reduce) and multiplies by the process count to undo the
+    averaging (see `backward`), so the update is the token-mean of the whole step's batch,
+    exactly the one-process gradient (verl's agg_loss uses global counts the same way)."""
+    c = torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in counts])
+    return tuple(all_sum(c, accelerator))
+
+
+def backward(loss, accelerator=None):
+    """loss.backward(), through accelerate when given (mixed precision, DDP/FSDP gradient
+    hooks). The loss is multiplied by the process count first: DDP and FSDP average gradients
+    over processes, and the loss was already divided by the GLOBAL count (global_counts)."""
+    if accelerator is None:
+        loss.backward()
+    else:
+        accelerator.backward(loss * accelerator.num_processes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,12 +298,12 @@ def ppo_update(policy, critic, optimizers, batch, cfg: PPOConfig, accelerator=No
     rew = token_rewards(batch.rewards, batch.loss_mask, kl, cfg.kl_coef)
     adv, returns = compute_gae(rew, old_values, mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
-        adv = masked_whiten(adv, mask)
+        adv = masked_whiten(adv, mask, accelerator=accelerator)
 
     stats = []
     for _ in range(cfg.epochs):
         for micro_list in minibatches(len(batch), cfg.minibatch_size, cfg.micro_batch_size, generator):
-            n_tok = mask[torch.cat(micro_list)].sum()  # the minibatch's token count
+            n_tok, = global_counts(accelerator, mask[torch.cat(micro_list)].sum())  # all processes
             micro = []
             for idx in micro_list:
                 mb = batch.select(idx).to(dev)
@@ -281,7 +317,7 @@ def ppo_update(policy, critic, optimizers, batch, cfg: PPOConfig, accelerator=No
                 values = critic(mb.input_ids, mb.attention_mask)
                 vl, vs = value_loss(values, old_values[idx, :T].to(dev), returns[idx, :T].to(dev), m, cfg.value_clip, n_tok)
                 loss = pl + ent_loss + cfg.vf_coef * vl
-                (accelerator.backward(loss) if accelerator is not None else loss.backward())
+                backward(loss, accelerator)
                 micro.append({"policy_loss": pl.item(), "value_loss": vl.item(),
                               "entropy": masked_mean(ent.detach(), m).item(), **ps, **vs})
             stats.append(_minibatch_stats(micro, grad_norm=_step(policy, actor_opt, cfg.max_grad_norm, accelerator),

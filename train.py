@@ -46,6 +46,9 @@ class Config:
     gradient_checkpointing: bool = False
     mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPU) | no | bf16",
                                                            "choices": ["auto", "no", "bf16"]})
+    gather_for_generation: bool = field(default=True, metadata={
+        "help": "FSDP: generate from a full copy of the policy gathered once per rollout (one extra "
+                "policy per GPU); --no-gather-for-generation generates from the sharded model"})
     # simulator
     simulator: str = field(default="rule", metadata={"help": "rule | openai | hf", "choices": ["rule", "openai", "hf"]})
     simulator_base_url: str = ""
@@ -78,7 +81,8 @@ class Config:
     gamma: float = 1.0
     lam: float = 1.0
     epochs: int = 1
-    minibatch_size: int = 32      # rows per optimizer step (per process)
+    minibatch_size: int = 32      # scenarios per optimizer step, all processes together (the
+                                  # official ppo_mini_batch_size: 32 prompts x n samples)
     micro_batch_size: int = 8     # rows per forward/backward
     max_grad_norm: float = 1.0
     loss_agg: str = field(default="token-mean", metadata={"choices": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]})
@@ -197,17 +201,70 @@ def load_models(cfg: Config, dtype):
     return policy, tok, critic, ref, attn
 
 
+# --------------------------------------------------------------------------------------------
+# Several processes (plumbing, not the algorithm): launch checks, one prepare per model,
+# generation from a gathered copy, metrics over processes.
+# --------------------------------------------------------------------------------------------
+def check_launch(accelerator):
+    """Refuse launches that would silently train wrong.
+    - accelerate sees fewer processes than were launched: it fell back to one process per rank
+      (an FSDP or multi-GPU config on a machine without GPUs), so every process would train
+      alone on its own data and all would append to the same metrics file.
+    - FSDP1 (fsdp_version: 1): it replaces the parameters after the optimizer is built, so the
+      optimizer would hold stale tensors; this project supports FSDP2 (fully_shard) only."""
+    from accelerate.utils import DistributedType
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise InputError(f"{launched} processes were launched (WORLD_SIZE) but accelerate sees "
+                         f"{accelerator.num_processes}: it found no GPU for this config; launch on GPUs, "
+                         f"or set use_cpu: true / pass --cpu to accelerate launch")
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise InputError("fsdp_version: 1 in the accelerate config is not supported; "
+                         "set fsdp_config.fsdp_version: 2 (FSDP2, as configs/fsdp_8gpu.yaml)")
+
+
+def make_generation_copy(model, device):
+    """An unsharded copy of the policy for generation (built once; refreshed every rollout).
+
+    Why: FSDP keeps 1/N of every weight on each GPU. Calling `generate` on the sharded model
+    all-gathers every layer at EVERY decoding step (for a 7B policy about 15 GB moved per
+    generated token across the node) and needs `synced_gpus`, so a process whose dialogues
+    ended must keep joining with dummy forward passes. Gathering the weights ONCE per rollout
+    into a plain copy costs one all-gather per tensor, and then every process generates alone,
+    with no collectives, at single-GPU speed. The price: one full policy per GPU (about 15 GB
+    for a 7B model in bf16); `--no-gather-for-generation` falls back to sharded generation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.device(device):  # built in the training dtype, directly on the GPU
+        copy = AutoModelForCausalLM.from_config(model.config, dtype=next(model.parameters()).dtype)
+    copy.generation_config = model.generation_config
+    return copy.requires_grad_(False).eval()
+
+
+def refresh_generation_copy(model, copy):
+    """Copy the current policy weights into the generation copy: one all-gather per sharded
+    tensor (DTensor.full_tensor), streamed, so at most one full tensor is in flight."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    dst = dict(copy.named_parameters())
+    src = dict(model.named_parameters())
+    if src.keys() != dst.keys():
+        raise RuntimeError(f"generation copy does not match the policy: {sorted(src.keys() ^ dst.keys())[:4]}")
+    with torch.no_grad():
+        for name, p in src.items():
+            dst[name].copy_(p.full_tensor() if isinstance(p, DTensor) else p)
+
+
 @contextlib.contextmanager
 def generation_mode(accelerator, model):
-    """Yield (module to call .generate on, extra generate kwargs).
+    """Yield (module to call .generate on, extra generate kwargs) for sharded generation
+    (`--no-gather-for-generation`), or for one process / DDP (the model itself).
 
-    FSDP does not gather parameters for `generate()` (it is not `forward`):
-      FSDP1: the decoder layers are their own FSDP units and unshard in their forward; the
-             root's own parameters (embeddings, norm, lm_head) are gathered with
-             summon_full_params(recurse=False). FSDP2: register `generate` as a forward method.
-      Both: `synced_gpus=True`, so a rank that finished keeps running forward passes until all
-             have (each forward is a collective; otherwise ranks deadlock).
-    Gradient checkpointing is switched off while generating (it disables the KV cache)."""
+    FSDP2 does not gather parameters for `generate()` (it is not `forward`): register
+    `generate` as a forward method, and pass `synced_gpus=True` so a rank that finished keeps
+    running forward passes until all have (each forward is a collective; otherwise ranks
+    deadlock; rollout's `any_active` does the same between turns). Gradient checkpointing is
+    switched off while generating (it disables the KV cache)."""
     from accelerate.utils import DistributedType
     unwrapped = accelerator.unwrap_model(model)
     gc_on = getattr(unwrapped, "is_activation_checkpointing", None)  # transformers >= 5 name
@@ -215,23 +272,44 @@ def generation_mode(accelerator, model):
         gc_on = getattr(unwrapped, "is_gradient_checkpointing", False)
     if gc_on:
         unwrapped.gradient_checkpointing_disable()
-    kwargs = {}
     try:
         if accelerator.distributed_type == DistributedType.FSDP:
-            kwargs["synced_gpus"] = accelerator.num_processes > 1
-            if accelerator.is_fsdp2:
-                from torch.distributed.fsdp import register_fsdp_forward_method
-                register_fsdp_forward_method(model, "generate")
-                yield model, kwargs
-            else:
-                from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-                with FSDP.summon_full_params(model, recurse=False, writeback=False):
-                    yield unwrapped, kwargs
+            from torch.distributed.fsdp import register_fsdp_forward_method
+            register_fsdp_forward_method(model, "generate")
+            yield model, {"synced_gpus": accelerator.num_processes > 1}
         else:
-            yield unwrapped, kwargs
+            yield unwrapped, {}
     finally:
         if gc_on:
             unwrapped.gradient_checkpointing_enable()
+
+
+def gather_rollout_stats(accelerator, batch) -> dict:
+    """rollout_stats over the dialogues of ALL processes (each played its own slice): the
+    per-dialogue numbers are gathered, so means are over all dialogues and `dialogues` /
+    `simulator_errors` are totals (a mean of per-process means would be wrong when the
+    processes hold different numbers of valid dialogues)."""
+    import dataclasses as dc
+    from rollout import rollout_stats
+    light = [{k: v for k, v in m.items() if k not in ("history", "agent_texts")} for m in batch.metrics]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+        light = gather_object(light)
+    return rollout_stats(dc.replace(batch, metrics=light))
+
+
+def reduce_update_stats(accelerator, upd: dict) -> dict:
+    """Update statistics over processes: each process's loss is its share of the global loss
+    (its loss sum / the global count), so losses are SUMMED; gradient norms are already global
+    (clipping sees the synchronised gradients) and the other statistics are averaged."""
+    if accelerator.num_processes == 1 or not upd:
+        return upd
+    import torch
+    keys = sorted(upd)
+    v = torch.tensor([float(upd[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    loss = torch.tensor([k.endswith("_loss") for k in keys], device=accelerator.device)
+    v = torch.where(loss, v, v / accelerator.num_processes)
+    return dict(zip(keys, accelerator.reduce(v, reduction="sum").tolist()))
 
 
 def step_scenarios(scenarios, step, batch_size, seed, rank, world):
@@ -260,6 +338,9 @@ def save_checkpoint(accelerator, cfg, step):
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(tmp)  # models, optimizers, schedulers, RNG states of every process
+    # Every process writes its own files (RNG state, FSDP shards): all must have finished
+    # before the main process publishes the folder by renaming it.
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump({"step": step, "config": dataclasses.asdict(cfg)}, f, indent=1)
@@ -268,6 +349,17 @@ def save_checkpoint(accelerator, cfg, step):
         done = sorted(d for d in os.listdir(root) if d.startswith("step_"))
         for old in done[:-cfg.keep_last]:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def save_final(accelerator, policy, tok, path):
+    """The policy in plain Hugging Face format (evaluate.py and transformers load it). Under
+    FSDP the full state dict is gathered to the main process, which writes it."""
+    accelerator.wait_for_everyone()
+    state = accelerator.get_state_dict(policy)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(policy).save_pretrained(path, state_dict=state)
+        tok.save_pretrained(path)
     accelerator.wait_for_everyone()
 
 
@@ -331,12 +423,13 @@ def train(cfg: Config) -> dict:
     from tqdm.auto import tqdm
     from grpo import GRPOConfig, grpo_update
     from ppo import PPOConfig, ppo_update
-    from rollout import GenConfig, add_logprobs, rollout, rollout_stats
+    from rollout import GenConfig, add_logprobs, rollout
 
     mp = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     os.makedirs(cfg.output_dir, exist_ok=True)
     accelerator = Accelerator(mixed_precision=mp, log_with=trackers(cfg), project_dir=cfg.output_dir)
     set_seed(cfg.seed, device_specific=True)
+    check_launch(accelerator)
     if cfg.batch_size % accelerator.num_processes:
         raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes "
                          f"({accelerator.num_processes})")
@@ -357,12 +450,17 @@ def train(cfg: Config) -> dict:
     if critic is not None:
         critic_opt = adamw(critic.parameters(), cfg.critic_lr)
         critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, sched_fn)
-        policy, actor_opt, actor_sched, critic, critic_opt, critic_sched = accelerator.prepare(
-            policy, actor_opt, actor_sched, critic, critic_opt, critic_sched)
-    else:
-        policy, actor_opt, actor_sched = accelerator.prepare(policy, actor_opt, actor_sched)
+    # One prepare call per model: FSDP2 shards one model per call and re-points that model's
+    # optimizer at the sharded parameters ("Only one model is supported when using FSDP2").
+    policy, actor_opt, actor_sched = accelerator.prepare(policy, actor_opt, actor_sched)
+    if critic is not None:
+        critic, critic_opt, critic_sched = accelerator.prepare(critic, critic_opt, critic_sched)
     if ref is not None:
         ref = accelerator.prepare_model(ref, evaluation_mode=True)
+
+    gen_copy = None  # built before resuming: its random init must not shift the restored RNG
+    if fsdp and cfg.gather_for_generation:
+        gen_copy = make_generation_copy(accelerator.unwrap_model(policy), accelerator.device)
 
     start = 0
     resume = find_resume(cfg)
@@ -388,7 +486,7 @@ def train(cfg: Config) -> dict:
                   micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature)
     algo_cfg = (PPOConfig(value_clip=cfg.value_clip, entropy_coef=cfg.entropy_coef, gamma=cfg.gamma, lam=cfg.lam, **common)
                 if cfg.algo == "ppo" else GRPOConfig(scale=cfg.adv_scale, agg=cfg.loss_agg, **common))
-    gen = torch.Generator().manual_seed(cfg.seed + 7919 * accelerator.process_index)
+    gen = torch.Generator()
 
     def any_active(local: bool) -> bool:  # does any process still have dialogues running?
         flag = torch.tensor([float(local)], device=accelerator.device)
@@ -403,20 +501,30 @@ def train(cfg: Config) -> dict:
         local = step_scenarios(scenarios, step, cfg.batch_size, cfg.seed, accelerator.process_index,
                                accelerator.num_processes)
         policy.eval()
-        with generation_mode(accelerator, policy) as (gen_model, gen_kwargs):
-            batch = rollout(gen_model, tok, sim, local, cfg.group_size, cfg.think, gen_cfg,
-                            compute_logprobs=False, generate_kwargs=gen_kwargs,
-                            any_active=any_active if accelerator.num_processes > 1 else None)
+        if gen_copy is not None:  # FSDP: gather once, then generate with no collectives
+            refresh_generation_copy(accelerator.unwrap_model(policy), gen_copy)
+            batch = rollout(gen_copy, tok, sim, local, cfg.group_size, cfg.think, gen_cfg, compute_logprobs=False)
+        else:
+            with generation_mode(accelerator, policy) as (gen_model, gen_kwargs):
+                batch = rollout(gen_model, tok, sim, local, cfg.group_size, cfg.think, gen_cfg,
+                                compute_logprobs=False, generate_kwargs=gen_kwargs,
+                                any_active=any_active if fsdp and accelerator.num_processes > 1 else None)
         t_roll = time.time() - t0
         if accelerator.num_processes > 1:
             # Equal row counts on every process -> equal numbers of forward/backward passes
             # (FSDP collectives); padding rows have an all-zero loss mask.
             rows = accelerator.gather(torch.tensor([len(batch)], device=accelerator.device)).max().item()
             batch = batch.pad_to(int(rows), tok.pad_token_id)
+        # `minibatch_size` counts scenarios of the whole step (all processes), as the official
+        # ppo_mini_batch_size does: the step's rows are cut into the same number of minibatches
+        # on every process, so the number of optimizer steps per rollout does not depend on the
+        # process count (the paper: 32 scenarios per step, 32 per minibatch -> one step).
+        n_minibatches = -(-cfg.batch_size // cfg.minibatch_size)
+        algo_cfg.minibatch_size = max(1, -(-len(batch) // n_minibatches))  # rows per minibatch here
         # Old log-probs are needed only when the policy changes before the last minibatch is
         # seen (several epochs or minibatches) or for PPO's KL-in-reward; else ratio = 1 exactly
         # and the update uses the detached current log-probs (one forward pass fewer).
-        need_old = cfg.epochs > 1 or len(batch) > cfg.minibatch_size or (cfg.algo == "ppo" and ref is not None)
+        need_old = cfg.epochs > 1 or n_minibatches > 1 or (cfg.algo == "ppo" and ref is not None)
         if need_old or ref is not None:
             batch = add_logprobs(batch, policy, ref, cfg.temperature, cfg.micro_batch_size, old=need_old)
         policy.train()
@@ -429,14 +537,10 @@ def train(cfg: Config) -> dict:
         actor_sched.step()
         dt = time.time() - t0
 
-        roll = rollout_stats(batch)
-        # Average the per-process numbers (each process played its own slice of scenarios).
-        keys = sorted(roll)
-        vals = torch.tensor([float(roll[k]) for k in keys], device=accelerator.device)
-        vals = accelerator.reduce(vals, reduction="mean")
-        roll = {k: v.item() for k, v in zip(keys, vals)}
-        n_tok = int(batch.attention_mask.sum()) * accelerator.num_processes
-        row = {"step": step, **roll, **{k: v for k, v in upd.items()}, "step_time": dt, "rollout_time": t_roll,
+        roll = gather_rollout_stats(accelerator, batch)  # over all processes' dialogues
+        upd = reduce_update_stats(accelerator, upd)
+        n_tok = accelerator.reduce(batch.attention_mask.sum().to(accelerator.device), reduction="sum").item()
+        row = {"step": step, **roll, **upd, "step_time": dt, "rollout_time": t_roll,
                "tokens_per_s": n_tok / dt, "lr": actor_sched.get_last_lr()[0]}
         if accelerator.is_main_process:
             with open(metrics_path, "a") as f:
@@ -453,13 +557,8 @@ def train(cfg: Config) -> dict:
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             save_checkpoint(accelerator, cfg, step + 1)
 
-    # The final policy in plain Hugging Face format (evaluate.py loads it).
-    final = os.path.join(cfg.output_dir, "final")
-    accelerator.wait_for_everyone()
-    state = accelerator.get_state_dict(policy)
+    save_final(accelerator, policy, tok, os.path.join(cfg.output_dir, "final"))
     if accelerator.is_main_process:
-        accelerator.unwrap_model(policy).save_pretrained(final, state_dict=state)
-        tok.save_pretrained(final)
         plot_curve(metrics_path, os.path.join(cfg.output_dir, "reward_curve.png"),
                    f"RLVER {cfg.algo.upper()} ({cfg.preset} preset)")
     accelerator.end_training()

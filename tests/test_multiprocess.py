@@ -1,0 +1,117 @@
+"""Several processes, for real: 2 CPU processes over gloo, DDP and FSDP2 (tests/cpu_launch.py
+switches accelerate's CPU state to FSDP; everything else is accelerate's and torch's own code
+running train.py unchanged)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+LAUNCH = os.path.join(ROOT, "tests", "cpu_launch.py")
+
+
+def launch(mode, *argv, timeout=300):
+    p = subprocess.run([sys.executable, LAUNCH, "--nproc", "2", "--mode", mode, "--timeout", str(timeout), "--", *argv],
+                       cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60)
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_process_update_equals_one_process_update(mode, tmp_path):
+    """The 2-process gradient is the 1-process gradient of the same rows (global token and
+    sequence counts, global PPO whitening), also when one process holds only padding rows; the
+    FSDP generation copy holds exactly the full weights and samples what one process samples;
+    the final save loads with transformers and gives the in-memory model's logits."""
+    out = tmp_path / "res.json"
+    rc, log = launch(mode, "tests/mp_checks.py", str(out))
+    assert rc == 0, log[-3000:]
+    res = json.loads(out.read_text())
+    assert len(res["grad_rel_l2"]) == 8
+    for case, d in res["grad_rel_l2"].items():
+        assert d <= 1e-5, (case, d)
+    assert res["copy_keys_match"] and res["copy_max_diff"] == 0.0
+    assert res["same_generation"] and res["generated_tokens"] > 8
+    assert res["saved_logits_diff"] <= 1e-6
+    assert res["distributed_type"].endswith("FSDP" if mode == "fsdp2" else "MULTI_CPU")
+
+
+TINY = ["--batch-size", "4", "--max-new-tokens", "8", "--report-to", "none", "--save-every", "2",
+        "--actor-lr", "1e-2"]
+# Dialogues end at different turns on the two processes (a low start: some users give up after
+# one turn, others play on), and per-turn samples give the processes different row counts, so
+# padding rows and idle processes are exercised.
+UNEVEN = ["--initial-emotion", "12", "--max-turns", "4"]
+
+
+def final_weights(d):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(d, "final", "model.safetensors"))
+
+
+def metric_steps(d):
+    return [json.loads(l)["step"] for l in open(os.path.join(d, "metrics.jsonl")) if l.strip()]
+
+
+@pytest.mark.parametrize("mode,algo,extra", [
+    ("fsdp2", "grpo", ["--group-size", "2", "--per-turn-samples", *UNEVEN]),
+    ("ddp", "ppo", ["--group-size", "1", *UNEVEN]),
+])
+def test_train_resume_equals_uninterrupted(mode, algo, extra, tmp_path):
+    """train.py on 2 processes: a run resumed (--resume auto) from the step-2 checkpoint ends
+    with exactly the weights of the uninterrupted run that wrote it."""
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    base = ["train.py", "--algo", algo, *TINY, *extra, "--steps", "4"]
+    rc, log = launch(mode, *base, "--output-dir", full)
+    assert rc == 0, log[-3000:]
+    assert metric_steps(full) == [0, 1, 2, 3]  # one row per step: the processes stayed in step
+    rows = [json.loads(l) for l in open(os.path.join(full, "metrics.jsonl"))]
+    assert all(r["dialogues"] == 4 * (2 if algo == "grpo" else 1) for r in rows)  # summed, not averaged
+    ck = sorted(os.listdir(os.path.join(full, "checkpoints")))
+    assert ck == ["step_000002", "step_000004"]  # no temporary folder left behind
+    # A run that stopped after its step-2 checkpoint: the same checkpoint, nothing after it.
+    shutil.copytree(os.path.join(full, "checkpoints", "step_000002"), os.path.join(cut, "checkpoints", "step_000002"))
+    rc, log = launch(mode, *base, "--output-dir", cut, "--resume", "auto")
+    assert rc == 0, log[-3000:]
+    assert "resumed from" in log and "at step 2" in log
+    assert metric_steps(cut) == [2, 3]
+    a, b = final_weights(full), final_weights(cut)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_fsdp2_ppo_runs(tmp_path):
+    """PPO (policy and critic: two FSDP2 models, one prepare call each) trains and saves."""
+    rc, log = launch("fsdp2", "train.py", "--algo", "ppo", *TINY, "--group-size", "1", "--max-turns", "2",
+                     "--steps", "2", "--output-dir", str(tmp_path))
+    assert rc == 0, log[-3000:]
+    assert metric_steps(str(tmp_path)) == [0, 1]
+    assert os.path.isfile(tmp_path / "checkpoints" / "step_000002" / "trainer_state.json")
+
+
+def test_fsdp1_is_refused_with_one_line(tmp_path):
+    rc, log = launch("fsdp1", "train.py", *TINY, "--steps", "1", "--output-dir", str(tmp_path))
+    assert rc == 2, log[-3000:]
+    lines = [l for l in log.splitlines() if "train.py: error:" in l]
+    assert lines and all("fsdp_version: 1" in l for l in lines), log[-3000:]
+    assert "Traceback" not in log
+
+
+def test_process_count_mismatch_is_refused(tmp_path):
+    """`accelerate launch` with the GPU node's FSDP config on a machine without GPUs starts 2
+    ranks, but accelerate falls back to one process per rank: refuse (each would otherwise
+    train alone and all would append to one metrics file)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "configs", "fsdp_8gpu.yaml"),
+           "--num_processes", "2", "--main_process_port", "0", "train.py", *TINY, "--steps", "1",
+           "--output-dir", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    errors = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("train.py: error:")]
+    assert p.returncode != 0
+    assert len(errors) == 2, p.stderr[-3000:]  # one line from each rank
+    assert all("2 processes were launched (WORLD_SIZE) but accelerate sees 1" in l for l in errors)
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
