@@ -13,8 +13,8 @@ One step (RLVER, arXiv 2507.03112, Sec. 2 and 4.1):
   4. ppo.ppo_update or grpo.grpo_update
   5. metrics to JSONL + trackers, an atomic checkpoint every `save_every` steps
 
-Accelerate handles devices, bf16 and FSDP (`accelerate launch`); generation under FSDP gathers
-the parameters it needs (see `generation_mode`).
+Accelerate handles devices, bf16 and FSDP2/DDP (`accelerate launch`); under FSDP each rollout
+generates from a full copy of the policy gathered once (see `make_generation_copy`).
 """
 from __future__ import annotations
 
