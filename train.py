@@ -289,13 +289,12 @@ def gather_rollout_stats(accelerator, batch) -> dict:
     per-dialogue numbers are gathered, so means are over all dialogues and `dialogues` /
     `simulator_errors` are totals (a mean of per-process means would be wrong when the
     processes hold different numbers of valid dialogues)."""
-    import dataclasses as dc
     from rollout import rollout_stats
     light = [{k: v for k, v in m.items() if k not in ("history", "agent_texts")} for m in batch.metrics]
     if accelerator.num_processes > 1:
         from accelerate.utils import gather_object
         light = gather_object(light)
-    return rollout_stats(dc.replace(batch, metrics=light))
+    return rollout_stats(dataclasses.replace(batch, metrics=light))
 
 
 def reduce_update_stats(accelerator, upd: dict) -> dict:

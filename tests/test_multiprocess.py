@@ -85,10 +85,11 @@ def test_train_resume_equals_uninterrupted(mode, algo, extra, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_fsdp2_ppo_runs(tmp_path):
-    """PPO (policy and critic: two FSDP2 models, one prepare call each) trains and saves."""
-    rc, log = launch("fsdp2", "train.py", "--algo", "ppo", *TINY, "--group-size", "1", "--max-turns", "2",
-                     "--steps", "2", "--output-dir", str(tmp_path))
+def test_fsdp2_ppo_runs_with_sharded_generation(tmp_path):
+    """PPO (policy and critic: two FSDP2 models, one prepare call each) trains and saves, here
+    with the fallback that generates from the sharded model (synced_gpus, dummy passes)."""
+    rc, log = launch("fsdp2", "train.py", "--algo", "ppo", *TINY, "--group-size", "1", *UNEVEN,
+                     "--steps", "2", "--no-gather-for-generation", "--output-dir", str(tmp_path))
     assert rc == 0, log[-3000:]
     assert metric_steps(str(tmp_path)) == [0, 1]
     assert os.path.isfile(tmp_path / "checkpoints" / "step_000002" / "trainer_state.json")
