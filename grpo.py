@@ -56,10 +56,13 @@ def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6, 
         r = rewards[idx]
         if r.numel() < 2:
             continue
+        # All-equal rewards carry no signal: advantage exactly 0. Tested on the values, not on
+        # the std: in float32 the mean of n equal values is not always that value (0.85 * 3),
+        # so r - mean and std come out ~1e-8, and (r - mean) / std would be O(1) noise.
+        if (r == r[0]).all():
+            continue
         a = r - r.mean()
-        sd = r.std()
-        # All-equal rewards: no signal, advantage 0 (and never 0/0 even with eps = 0).
-        adv[idx] = (a / (sd + eps) if sd > 0 else torch.zeros_like(a)) if scale == "std" else a
+        adv[idx] = a / (r.std() + eps) if scale == "std" else a
     return adv
 
 

@@ -271,3 +271,22 @@ def test_padding_rows_contribute_zero_gradient(algo):
         assert torch.allclose(a, c, atol=1e-6, rtol=1e-4)
     empty = b.select([]).pad_to(2, tok.pad_token_id)
     assert len(empty) == 2 and empty.loss_mask.sum() == 0 and empty.attention_mask.sum() == 4
+
+
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+@pytest.mark.parametrize("scale", ["std", "none"])
+def test_all_equal_groups_get_exactly_zero_advantage(eps, scale):
+    """float32 rounding must not turn an all-equal group into a signal (0.85 x 3 gave -0.0555
+    each; 0.11 x 3 with eps = 0 gave 0.8165)."""
+    for n in range(2, 9):
+        for k in range(101):
+            r = torch.full((n + 2,), k / 100)
+            r[-2:] = torch.tensor([0.0, 1.0])  # another group, with signal, in the same batch
+            gid = torch.tensor([0] * n + [1, 1])
+            a = group_advantages(r, gid, scale=scale, eps=eps)
+            assert (a[:n] == 0).all(), (n, k, a[:n])
+            assert (a[n:] != 0).all()
+    # the per-turn path (several rows per dialogue) too
+    a = group_advantages(torch.full((5,), 0.85), torch.zeros(5, dtype=torch.long), scale=scale, eps=eps,
+                         dialogue_ids=torch.tensor([0, 0, 1, 2, 2]))
+    assert (a == 0).all()
