@@ -488,7 +488,8 @@ def train(cfg: Config) -> dict:
         roll = {k: v.item() for k, v in zip(keys, vals)}
         n_tok = int(batch.attention_mask.sum()) * accelerator.num_processes
         row = {"step": step, **roll, **{k: v for k, v in upd.items()}, "step_time": dt, "rollout_time": t_roll,
-               "tokens_per_s": n_tok / dt, "lr": actor_sched.get_last_lr()[0]}
+               "tokens_per_s": n_tok / dt, "lr": actor_sched.get_last_lr()[0],
+               **({"critic_lr": critic_sched.get_last_lr()[0]} if critic is not None else {})}
         if accelerator.is_main_process:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
