@@ -8,6 +8,7 @@ critic, GRPO uses the other members of the group as the baseline:
   2. every policy token of sample i gets A_i
   3. the PPO clipped surrogate on the token ratios, optional KL to a reference model with the
      k3 estimator (the paper uses no KL), aggregated over tokens               (grpo_loss)
+     (+ the entropy bonus, as in PPO: the official RLVER config sets 1e-3      (grpo_update))
   4. minibatches x micro-batches with exact gradient accumulation             (grpo_update)
 
 The clipped surrogate, KL estimators, masking helpers and minibatch loop are ppo.py's: GRPO

@@ -18,7 +18,11 @@ output parser, the `Simulator`, and three backends:
   HFBackend     (a local transformers chat model),
   RuleBackend   (offline, deterministic, no LLM: for tests and CPU demos).
 
-Run `python simulator.py --demo` to watch a scripted agent talk to the rule backend.
+Two users, as in the paper (Table 3): `standard` (SAGE, above) and `challenging` (never reveals
+its goal, rewards only goal-directed replies, starts at 30, change not clamped; see USERS).
+
+Run `python simulator.py --demo [--user challenging]` to watch a scripted agent talk to the rule
+backend.
 """
 from __future__ import annotations
 
