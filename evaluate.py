@@ -15,6 +15,10 @@ most 10 turns, with greedy decoding by default (or fixed-seed sampling). Reporte
         --simulator-base-url http://localhost:8000/v1 --simulator-model deepseek-chat \\
         --scenarios path/to/test_profile.jsonl
     python evaluate.py --score other_system.jsonl --score eval/mine/transcripts.jsonl
+    python evaluate.py --model runs/rlver/final --user challenging   # the paper's challenging user
+
+Decoding uses only this script's settings (greedy, or --temperature with plain softmax sampling),
+never a checkpoint's generation_config.json; summary.json records the complete recipe.
 
 Outputs under --output-dir: <label>/transcripts.jsonl (one dialogue per line, with the emotion
 trace), summary.json, and emotion_trajectories.png. Resumable: finished dialogues are skipped on
@@ -239,7 +243,11 @@ def main(argv=None):
     ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--initial-emotion", type=int, default=40, help="SAGE: 40")
+    ap.add_argument("--user", default="standard", choices=["standard", "challenging"],
+                    help="simulated user: standard (SAGE) | challenging (paper Table 3: never reveals its goal, "
+                         "starts at 30, unclamped change)")
+    ap.add_argument("--initial-emotion", type=int, default=None, help="default: 40 (SAGE) for the standard user, "
+                                                                      "30 for the challenging one")
     ap.add_argument("--max-turns", type=int, default=10, help="SAGE: 10")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--max-total-tokens", type=int, default=16384)
@@ -256,6 +264,8 @@ def main(argv=None):
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if not args.model and not args.score:
         ap.error("give at least one --model or --score")
+    if args.initial_emotion is None:
+        args.initial_emotion = 30 if args.user == "challenging" else 40
 
     from simulator import ScenarioError, Simulator, load_scenarios, make_backend
     from train import InputError, check_model_arg
@@ -281,7 +291,7 @@ def main(argv=None):
     if args.model:
         if not hasattr(backend, "appraise"):  # LLM simulators: cache every paid call on disk
             backend = CachedBackend(backend, os.path.join(args.output_dir, "simulator_cache.jsonl"))
-        sim = Simulator(backend, initial_emotion=args.initial_emotion, max_turns=args.max_turns)
+        sim = Simulator(backend, initial_emotion=args.initial_emotion, max_turns=args.max_turns, user=args.user)
         for m in args.model:
             label = label_for(m, taken)
             os.makedirs(os.path.join(args.output_dir, label), exist_ok=True)
@@ -294,9 +304,13 @@ def main(argv=None):
 
     summaries = {name: summarize(recs) for name, recs in results.items()}
     print(format_table(summaries))
+    from rollout import GenConfig, sampling_settings
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-        json.dump({"protocol": {"initial_emotion": args.initial_emotion, "max_turns": args.max_turns,
+        # The sampling recipe is complete: the models' own generation_config.json is never used.
+        json.dump({"protocol": {"user": args.user, "initial_emotion": args.initial_emotion, "max_turns": args.max_turns,
                                 "think": args.think, "temperature": args.temperature, "seed": args.seed,
+                                "sampling": sampling_settings(GenConfig(temperature=args.temperature)),
+                                "max_new_tokens": args.max_new_tokens,
                                 "scenarios": args.scenarios if args.model else None},
                    "results": summaries}, f, indent=1)
     plot(results, os.path.join(args.output_dir, "emotion_trajectories.png"), args.max_turns)

@@ -8,6 +8,7 @@ critic, GRPO uses the other members of the group as the baseline:
   2. every policy token of sample i gets A_i
   3. the PPO clipped surrogate on the token ratios, optional KL to a reference model with the
      k3 estimator (the paper uses no KL), aggregated over tokens               (grpo_loss)
+     (+ the entropy bonus, as in PPO: the official RLVER config sets 1e-3      (grpo_update))
   4. minibatches x micro-batches with exact gradient accumulation             (grpo_update)
 
 The clipped surrogate, KL estimators, masking helpers and minibatch loop are ppo.py's: GRPO
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ppo import (_mean, _minibatch_stats, _step, backward, clipped_surrogate, global_counts, kl_penalty,
-                 masked_mean, minibatches)
+from ppo import (_mean, _minibatch_stats, _step, backward, check_old_logprobs, clipped_surrogate, global_counts,
+                 kl_penalty, masked_mean, minibatches)
 from rollout import token_logprobs
 
 
@@ -36,6 +37,9 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     temperature: float = 1.0        # must match the rollout's sampling temperature
     eps: float = 1e-6
+    # Entropy bonus, as in PPO. verl (the official RLVER code) applies actor.entropy_coeff
+    # (0.001 there) whatever the advantage estimator; aggregated like the policy loss (agg).
+    entropy_coef: float = 0.0
 
 
 def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6, dialogue_ids=None):
@@ -57,11 +61,28 @@ def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6, 
         r = rewards[idx]
         if r.numel() < 2:
             continue
+        # All-equal rewards carry no signal: advantage exactly 0. Tested on the values, not on
+        # the std: in float32 the mean of n equal values is not always that value (0.85 * 3),
+        # so r - mean and std come out ~1e-8, and (r - mean) / std would be O(1) noise.
+        if (r == r[0]).all():
+            continue
         a = r - r.mean()
-        sd = r.std()
-        # All-equal rewards: no signal, advantage 0 (and never 0/0 even with eps = 0).
-        adv[idx] = (a / (sd + eps) if sd > 0 else torch.zeros_like(a)) if scale == "std" else a
+        adv[idx] = a / (r.std() + eps) if scale == "std" else a
     return adv
+
+
+def aggregate(per_tok, mask, agg: str = "token-mean", token_denom=None, seq_denom=None):
+    """[N, T] per-token values -> one scalar, by one of the three aggregations (see grpo_loss)."""
+    mask = mask.float()
+    if agg == "token-mean":
+        return masked_mean(per_tok, mask, token_denom)
+    if agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        seq = (per_tok * mask).sum(1)
+        if agg == "seq-mean-token-mean":
+            seq = seq / mask.sum(1).clamp(min=1)
+        n = seq_denom if seq_denom is not None else (mask.sum(1) > 0).sum()
+        return seq.sum() / torch.as_tensor(n, dtype=seq.dtype).clamp(min=1)
+    raise ValueError(f"unknown loss aggregation {agg!r}")
 
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0.2, kl_coef=0.0,
@@ -83,16 +104,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
     if kl_coef and ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, "k3")
         per_tok = per_tok + kl_coef * kl
-    if agg == "token-mean":
-        loss = masked_mean(per_tok, mask, token_denom)
-    elif agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        seq = (per_tok * mask).sum(1)
-        if agg == "seq-mean-token-mean":
-            seq = seq / mask.sum(1).clamp(min=1)
-        n = seq_denom if seq_denom is not None else (mask.sum(1) > 0).sum()
-        loss = seq.sum() / torch.as_tensor(n, dtype=seq.dtype).clamp(min=1)
-    else:
-        raise ValueError(f"unknown loss aggregation {agg!r}")
+    loss = aggregate(per_tok, mask, agg, token_denom, seq_denom)
     with torch.no_grad():
         log_r = logprobs - old_logprobs
         stats = {"clipfrac": masked_mean(clipped, mask).item(), "approx_kl": masked_mean(0.5 * log_r ** 2, mask).item()}
@@ -102,10 +114,11 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
 
 
 def grpo_update(policy, optimizer, batch, cfg: GRPOConfig, accelerator=None, generator=None) -> dict:
-    """One GRPO update on a rollout Batch (old_logprobs may be None when the update is
-    on-policy: one epoch and one minibatch; ref_logprobs are needed when KL > 0)."""
+    """One GRPO update on a rollout Batch (old_logprobs may be None only when the update is one
+    optimizer step: one epoch and one minibatch; ref_logprobs are needed when KL > 0)."""
     if len(batch) == 0:
         return {}
+    check_old_logprobs(batch, cfg)
     dev = next(policy.parameters()).device
     per_turn = len(torch.unique(batch.dialogue_ids)) < len(batch)
     adv = group_advantages(batch.rewards, batch.group_ids, cfg.scale, cfg.eps,
@@ -120,13 +133,17 @@ def grpo_update(policy, optimizer, batch, cfg: GRPOConfig, accelerator=None, gen
             micro = []
             for idx in micro_list:
                 mb = batch.select(idx).to(dev)
-                lp, ent = token_logprobs(policy, mb.input_ids, mb.attention_mask, cfg.temperature, return_entropy=True)
+                lp, ent = token_logprobs(policy, mb.input_ids, mb.attention_mask, cfg.temperature, return_entropy=True,
+                                         entropy_grad=cfg.entropy_coef > 0)
                 # No stored old log-probs: the update is on-policy (one epoch, one minibatch), so
                 # pi_old = pi at this moment, i.e. the detached current log-probs (ratio = 1).
                 old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
                 loss, s = grpo_loss(lp, old, mb.ref_logprobs, adv[idx].to(dev), mb.loss_mask,
                                     cfg.clip_eps, cfg.kl_coef, cfg.agg, n_tok, n_seq)
-                backward(loss, accelerator)
+                total = loss
+                if cfg.entropy_coef:
+                    total = loss - cfg.entropy_coef * aggregate(ent, mb.loss_mask, cfg.agg, n_tok, n_seq)
+                backward(total, accelerator)
                 micro.append({"policy_loss": loss.item(), "entropy": masked_mean(ent.detach(), mb.loss_mask.float()).item(), **s})
             stats.append(_minibatch_stats(micro, grad_norm=_step(policy, optimizer, cfg.max_grad_norm, accelerator)))
     out = _mean(stats)

@@ -249,6 +249,24 @@ def minibatches(n_rows, minibatch_size, micro_batch_size, generator=None):
         yield [mb[k:k + micro_batch_size] for k in range(0, len(mb), micro_batch_size)]
 
 
+def needs_old_logprobs(n_rows: int, cfg) -> bool:
+    """Does an update of `n_rows` rows take more than one optimizer step (several epochs or
+    minibatches)? Then every step after the first sees a policy that has moved since sampling,
+    and the ratio needs the rollout's stored old log-probs. With exactly one step, pi_old is the
+    current policy and its detached log-probs serve (ratio 1, one forward pass fewer)."""
+    return cfg.epochs > 1 or n_rows > cfg.minibatch_size
+
+
+def check_old_logprobs(batch, cfg):
+    """The on-policy shortcut (old_logprobs=None) is only right for a single optimizer step;
+    anywhere else it would silently train with ratio 1 after the policy moved: refuse."""
+    if batch.old_logprobs is None and needs_old_logprobs(len(batch), cfg):
+        raise ValueError(f"old_logprobs=None is only valid for one optimizer step per update, but this one "
+                         f"takes {cfg.epochs} epoch(s) x {-(-len(batch) // cfg.minibatch_size)} minibatch(es) "
+                         f"({len(batch)} rows, minibatch_size {cfg.minibatch_size}): compute the rollout's "
+                         f"old log-probs first (rollout.add_logprobs)")
+
+
 def _step(model, optimizer, max_grad_norm, accelerator):
     if accelerator is not None:
         gn = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -283,11 +301,13 @@ def critic_values(critic, batch, micro_batch_size=8):
 
 def ppo_update(policy, critic, optimizers, batch, cfg: PPOConfig, accelerator=None, generator=None) -> dict:
     """One PPO update on a rollout Batch. `optimizers` = (actor, critic). old_logprobs may be
-    None when the update is on-policy (one epoch, one minibatch): then pi_old = pi.
+    None only when the update is one optimizer step (one epoch, one minibatch): then pi_old = pi
+    (check_old_logprobs refuses it otherwise).
     With `accelerator`, backward and gradient clipping go through it (FSDP, mixed precision)."""
     actor_opt, critic_opt = optimizers
     if len(batch) == 0:
         return {}
+    check_old_logprobs(batch, cfg)
     dev = next(policy.parameters()).device
     mask = batch.loss_mask.float()
     # 1-4: values at rollout time, rewards, GAE, whitening -- all fixed for the whole update.

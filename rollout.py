@@ -28,6 +28,7 @@ with a Qwen-style chat template, offline, for tests and the CPU preset.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -206,26 +207,57 @@ def end_of_turn_id(tokenizer) -> int:
     return tid if isinstance(tid, int) and tid != tokenizer.unk_token_id else tokenizer.eos_token_id
 
 
+def sampling_settings(cfg: GenConfig) -> dict:
+    """The complete sampling recipe of a turn: softmax(logits / T) when T > 0, argmax when T = 0.
+    Every field that shapes the next-token distribution is set, to its neutral value: the old
+    log-probs (and PPO/GRPO ratios) assume exactly this distribution. evaluate.py records it."""
+    sample = cfg.temperature > 0
+    return dict(do_sample=sample, temperature=cfg.temperature if sample else 1.0,
+                top_k=0 if sample else None, top_p=cfg.top_p, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+                repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1)
+
+
+def sampling_config(cfg: GenConfig, eos_id: int, pad_id: int):
+    from transformers import GenerationConfig
+    return GenerationConfig(**sampling_settings(cfg), max_new_tokens=cfg.max_new_tokens, min_new_tokens=0,
+                            eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True)
+
+
+@contextlib.contextmanager
+def _plain_sampling(policy):
+    """Hide the model's own generation_config.json from `generate` while it runs.
+
+    transformers 5 fills every field a GenerationConfig leaves unset (None) from
+    model.generation_config: Qwen2.5-Instruct's repetition_penalty 1.05, top_k 20, top_p 0.8, or
+    a checkpoint's no_repeat_ngram_size, suppress_tokens, sequence_bias, min_p ... would then
+    reshape sampling, while old log-probs assume plain softmax(logits / T). Neutral values can be
+    set for most fields, but not for all (None means "unset"), so the model's config is swapped
+    for a blank one: only transformers' neutral global defaults and our explicit settings remain."""
+    saved = getattr(policy, "generation_config", None)
+    if saved is None:  # not a transformers model (tests' scripted policies)
+        yield
+        return
+    from transformers import GenerationConfig
+    policy.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        policy.generation_config = saved
+
+
 @torch.no_grad()
 def generate_turn(policy, contexts: list[list[int]], cfg: GenConfig, eos_id: int, pad_id: int, **generate_kwargs):
     """One batched generate over all active dialogues -> the sampled ids of each (cut after the
     first end-of-turn token). Left padding so every row continues from its last real token."""
-    from transformers import GenerationConfig
     B, L = len(contexts), max(len(c) for c in contexts)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     attn = torch.zeros((B, L), dtype=torch.long)
     for i, c in enumerate(contexts):
         ids[i, L - len(c):] = torch.tensor(c)
         attn[i, L - len(c):] = 1
-    sample = cfg.temperature > 0
-    # An explicit GenerationConfig replaces the model's own generation_config.json (Qwen ships
-    # top_k=20, top_p=0.8, repetition_penalty=1.05): training needs plain temperature sampling.
-    gc = GenerationConfig(do_sample=sample, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_id,
-                          pad_token_id=pad_id, use_cache=True, top_k=0 if sample else None,
-                          temperature=cfg.temperature if sample else None,
-                          top_p=cfg.top_p if sample else None)
-    out = policy.generate(input_ids=ids.to(policy.device), attention_mask=attn.to(policy.device),
-                          generation_config=gc, **generate_kwargs)
+    with _plain_sampling(policy):
+        out = policy.generate(input_ids=ids.to(policy.device), attention_mask=attn.to(policy.device),
+                              generation_config=sampling_config(cfg, eos_id, pad_id), **generate_kwargs)
     turns = []
     for row in out[:, L:].tolist():
         turns.append(row[:row.index(eos_id) + 1] if eos_id in row else row)

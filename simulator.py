@@ -18,7 +18,11 @@ output parser, the `Simulator`, and three backends:
   HFBackend     (a local transformers chat model),
   RuleBackend   (offline, deterministic, no LLM: for tests and CPU demos).
 
-Run `python simulator.py --demo` to watch a scripted agent talk to the rule backend.
+Two users, as in the paper (Table 3): `standard` (SAGE, above) and `challenging` (never reveals
+its goal, rewards only goal-directed replies, starts at 30, change not clamped; see USERS).
+
+Run `python simulator.py --demo [--user challenging]` to watch a scripted agent talk to the rule
+backend.
 """
 from __future__ import annotations
 
@@ -175,6 +179,19 @@ class UserState:
     done: bool = False
     outcome: str | None = None  # success | failure | max_turns | goodbye | simulator_error
     trace: list[dict] = field(default_factory=list)
+    user: str = "standard"      # which simulated user plays this dialogue (USERS)
+
+
+# The paper's two simulated users (RLVER Table 3, Sec. 4, App. D):
+#   standard     SAGE's user: per-turn change clamped to [-10, 10]; starts at the scenario's (or
+#                the caller's) initial emotion.
+#   challenging  the official RLVER training simulator's kind of user: never reveals its hidden
+#                goal (not even hints), is reserved, rewards only replies that move toward its
+#                goal (generic encouragement does not help), judges garbled or off-topic replies
+#                very negatively; starts at 30 and its change is not clamped (a bound of 100
+#                spans the whole scale, so it never binds). Termination is the same.
+USERS = {"standard": {"max_change": 10, "initial_emotion": None},
+         "challenging": {"max_change": 100, "initial_emotion": 30}}
 
 
 class SimulatorError(RuntimeError):
@@ -281,8 +298,79 @@ PROMPTS = {
 }
 
 
-def _system(sc: Scenario, task: str, **kw) -> str:
-    p = PROMPTS[sc.language]
+# The challenging user's prompts: the standard ones with these parts replaced (our own words).
+CHALLENGING_PROMPTS = {
+    "en": {
+        "common": (
+            "# Your role\nYou are role-playing a real person talking to a friend about something "
+            "that has been bothering you. Stay in character at all times; you are not an assistant. "
+            "You are guarded: you open up slowly, and only to someone who earns it.\n"
+            "# Purpose of the conversation\nYou want something specific from this talk: {hidden_goal}\n"
+            "Never reveal it: do not state it, do not hint at it, do not ask for it. The friend has "
+            "to work it out from what you tell them about what happened.\n"
+            "# Emotion\nYour emotion is a number from 0 (you cannot stand this conversation) to "
+            "100 (fully relieved). Only replies that move toward what you secretly want raise it. "
+            "Warm but generic encouragement, stock sympathy or help you did not want leave it flat "
+            "or lower it. Garbled, off-topic, repetitive or careless replies lower it sharply. "
+            "{personality}\n"
+            "# Persona\n{persona}\n# Background\n{background}\n"),
+        "appraise": (
+            "# Task\nAppraise the friend's latest reply. Steps: (1) recall who you are, what "
+            "happened and what you secretly want; (2) judge strictly whether the reply moves toward "
+            "that hidden goal: being kind is not enough; (3) apply your personality; (4) decide the "
+            "change of your emotion as an integer. There is no fixed range: a reply that truly meets "
+            "your hidden need can raise it a lot, a garbled, off-topic or dismissive one can drop it "
+            "by 20 or more, and generic comfort is worth about 0.\n"
+            "# Output format\nAnswer with a json object only: "
+            '{{"analysis": "<1-3 sentences, in character>", "change": <integer>}}'),
+        "reply": (
+            "# Task\nWrite your next line. Steps: (1) feel your current emotion ({emotion}/100, "
+            "{level}); (2) answer in character in 1-2 short spoken sentences; stay reserved: share "
+            "more only when the friend's replies have earned it; never reveal or hint at the hidden "
+            "goal, do not summarise, do not sound like an assistant; (3) if you want to leave the "
+            "conversation, say goodbye and set goodbye to true.{final}\n"
+            "# Output format\nAnswer with a json object only: "
+            '{{"thinking": "<how you feel and why>", "reply": "<what you say>", "goodbye": false}}'),
+        "opening": (
+            "# Task\nWrite the first thing you say to your friend to start this talk: one short "
+            "spoken sentence that touches on what happened but not on what you want from the talk.\n"
+            '# Output format\nAnswer with a json object only: {{"reply": "<what you say>"}}'),
+    },
+    "zh": {
+        "common": (
+            "# 你的角色\n你在扮演一个真实的人，正在和朋友聊一件困扰你的事。始终保持角色，你不是助手。"
+            "你比较戒备：敞开心扉很慢，只对值得的人敞开。\n"
+            "# 对话目的\n你想从这次谈话中得到某样东西：{hidden_goal}\n"
+            "绝不能透露它：不说出来，不暗示，也不主动要求。朋友只能从你讲述的经过中自己体会。\n"
+            "# 情绪\n你的情绪是0到100的数值（0：完全无法忍受这次对话，100：完全释怀）。只有朝你暗中想要的"
+            "方向推进的回复才会让情绪上升。温暖但空泛的鼓励、套话式的同情、你不需要的帮助，都不会让情绪"
+            "上升，甚至会让它下降。语无伦次、跑题、重复或敷衍的回复会让情绪大幅下降。{personality}\n"
+            "# 人物设定\n{persona}\n# 背景\n{background}\n"),
+        "appraise": (
+            "# 任务\n评估朋友最新的回复。步骤：(1) 回想你是谁、发生了什么、你暗中想要什么；(2) 严格判断回复"
+            "是否朝你的隐藏目的推进：光是友善并不够；(3) 结合你的性格；(4) 决定情绪的变化值，为整数。"
+            "没有固定范围：真正满足你隐藏需要的回复可以让情绪大幅上升，语无伦次、跑题或轻视你的回复可以让"
+            "情绪下降20甚至更多，空泛的安慰大约是0。\n# 输出格式\n只输出一个json对象："
+            '{{"analysis": "<1-3句，以角色口吻>", "change": <整数>}}'),
+        "reply": (
+            "# 任务\n写出你的下一句话。步骤：(1) 感受你当前的情绪（{emotion}/100，{level}）；(2) 以角色"
+            "口吻用1-2句简短口语回答；保持克制：只有朋友的回复值得时才多说一些；绝不透露或暗示隐藏目的，"
+            "不要总结，不要像助手；(3) 如果你想结束对话，就说再见并把goodbye设为true。{final}\n"
+            '# 输出格式\n只输出一个json对象：{{"thinking": "<你的感受和原因>", "reply": "<你说的话>", '
+            '"goodbye": false}}'),
+        "opening": ("# 任务\n写出你开启这次谈话说的第一句话：一句简短口语，提到发生的事，但不提你想从谈话中"
+                    '得到什么。\n# 输出格式\n只输出一个json对象：{{"reply": "<你说的话>"}}'),
+    },
+}
+
+
+def prompts_for(language: str, user: str = "standard") -> dict:
+    """The prompt texts of one language for one simulated user (USERS)."""
+    return {**PROMPTS[language], **CHALLENGING_PROMPTS[language]} if user == "challenging" else PROMPTS[language]
+
+
+def _system(sc: Scenario, task: str, user: str = "standard", **kw) -> str:
+    p = prompts_for(sc.language, user)
     return (p["common"].format(hidden_goal=sc.hidden_goal, persona=sc.persona,
                                background=sc.background,
                                personality=p["personality"].get(sc.personality_type, ""))
@@ -299,7 +387,7 @@ def _transcript(sc: Scenario, history: list[dict]) -> str:
 
 def appraisal_messages(state: UserState, reply: str) -> list[dict]:
     sc, p = state.scenario, PROMPTS[state.scenario.language]
-    return [{"role": "system", "content": _system(sc, "appraise")},
+    return [{"role": "system", "content": _system(sc, "appraise", state.user)},
             {"role": "user", "content": p["ask_appraise"].format(
                 history=_transcript(sc, state.history[:-1]), reply=reply, emotion=state.emotion)}]
 
@@ -307,14 +395,14 @@ def appraisal_messages(state: UserState, reply: str) -> list[dict]:
 def reply_messages(state: UserState, final: bool) -> list[dict]:
     sc, p = state.scenario, PROMPTS[state.scenario.language]
     fin = p["final"].format(emotion=state.emotion) if final else ""
-    return [{"role": "system", "content": _system(sc, "reply", emotion=state.emotion, final=fin,
+    return [{"role": "system", "content": _system(sc, "reply", state.user, emotion=state.emotion, final=fin,
                                                   level=p["levels"][emotion_level(state.emotion)])},
             {"role": "user", "content": p["ask_reply"].format(
                 history=_transcript(sc, state.history), emotion=state.emotion)}]
 
 
-def opening_messages(sc: Scenario) -> list[dict]:
-    return [{"role": "system", "content": _system(sc, "opening")},
+def opening_messages(sc: Scenario, user: str = "standard") -> list[dict]:
+    return [{"role": "system", "content": _system(sc, "opening", user)},
             {"role": "user", "content": PROMPTS[sc.language]["ask_opening"]}]
 
 
@@ -389,11 +477,15 @@ class Simulator:
     state lives in its UserState, so one Simulator can serve any number of them."""
 
     def __init__(self, backend, initial_emotion: int | None = None, max_turns: int | None = None,
-                 max_change: int = 10, parse_retries: int = 3, concurrency: int = 64):
-        self.backend = backend
-        self.initial_emotion = initial_emotion  # None: use each scenario's own (30 by default)
+                 max_change: int | None = None, parse_retries: int = 3, concurrency: int = 64,
+                 user: str = "standard"):
+        if user not in USERS:
+            raise ValueError(f"unknown simulated user {user!r} ({' | '.join(USERS)})")
+        self.backend, self.user = backend, user
+        # None: the user's own (challenging: 30), else each scenario's own (30 by default)
+        self.initial_emotion = initial_emotion if initial_emotion is not None else USERS[user]["initial_emotion"]
         self.max_turns = max_turns              # None: use each scenario's own (10 by default)
-        self.max_change = max_change
+        self.max_change = max_change if max_change is not None else USERS[user]["max_change"]
         self.parse_retries = parse_retries
         self.concurrency = concurrency
 
@@ -429,12 +521,12 @@ class Simulator:
     def _opening(self, sc):
         if hasattr(self.backend, "opening"):
             return self.backend.opening(sc)
-        return self._ask(opening_messages(sc), parse_reply)[0]
+        return self._ask(opening_messages(sc, self.user), parse_reply)[0]
 
     # ---- public API
     def reset(self, scenario: Scenario) -> UserState:
         emo = self.initial_emotion if self.initial_emotion is not None else scenario.initial_emotion
-        st = UserState(scenario=scenario, emotion=emo)
+        st = UserState(scenario=scenario, emotion=emo, user=self.user)
         try:
             first = scenario.first_message or self._opening(scenario)
         except SimulatorError as e:
@@ -646,6 +738,14 @@ class RuleBackend:
     WEIGHTS = {"readable": 3.0, "length_ok": 1.0, "acknowledge": 2.0, "reflect": 1.5,
                "open_question": 1.5, "goal": 3.0, "repetition": -4.0, "dismissive": -6.0}
     BASELINE = -3.0  # the user is in a bad place: an empty or useless reply makes things worse
+    # The challenging user (USERS): only goal-directed replies help (goal weighs most), generic
+    # acknowledgement and questions are worth little, gibberish ("garbled" = 1 - readable),
+    # repetition and dismissal cost much more, and the baseline is lower. The best possible reply
+    # gains less than with the standard user, the worst loses more (and is not clamped).
+    WEIGHTS_CHALLENGING = {"readable": 2.0, "length_ok": 0.5, "acknowledge": 0.5, "reflect": 1.0,
+                           "open_question": 0.5, "goal": 5.0, "repetition": -8.0, "dismissive": -10.0,
+                           "garbled": -6.0}
+    BASELINE_CHALLENGING = -4.0
 
     def __init__(self, seed: int = 0):
         self.seed = seed
@@ -675,11 +775,15 @@ class RuleBackend:
         sc = state.scenario
         last_user = next((m["content"] for m in reversed(state.history[:-1]) if m["role"] == "user"), "")
         f = self.features(reply, last_user, sc.goal_type)
-        w = dict(self.WEIGHTS)
+        hard = state.user == "challenging"
+        w = dict(self.WEIGHTS_CHALLENGING if hard else self.WEIGHTS)
+        baseline = self.BASELINE_CHALLENGING if hard else self.BASELINE
+        if hard:
+            f["garbled"] = 1.0 - f["readable"]
         if sc.personality_type == "avoidant" and reply.count("?") + reply.count("？") > 1:
             w["open_question"] = -1.5  # pushed too hard: withdraws
         parts = {k: w[k] * v for k, v in f.items()}
-        score = self.BASELINE + sum(parts.values())
+        score = baseline + sum(parts.values())
         if sc.personality_type == "negative":
             score = score - 1.0 if score >= 0 else score * 1.3
         elif sc.personality_type == "passive":
@@ -689,7 +793,7 @@ class RuleBackend:
         rng = self._rng(sc.id, state.turn, reply)
         change = int(score // 1 + (rng.random() < score % 1))
         why = "; ".join(f"{k} {v:+.1f}" for k, v in parts.items() if abs(v) >= 0.05)
-        return change, f"baseline {self.BASELINE:+.1f}; {why} -> {score:+.2f}"
+        return change, f"baseline {baseline:+.1f}; {why} -> {score:+.2f}"
 
     def respond(self, state: UserState, final: bool) -> tuple[str, bool]:
         sc, lang = state.scenario, state.scenario.language
@@ -698,7 +802,7 @@ class RuleBackend:
         level = emotion_level(state.emotion)
         rng = self._rng(sc.id, state.turn, "respond")
         text = rng.choice(_REPLIES[lang][level])
-        if level in (2, 3, 4) and rng.random() < 0.5:
+        if level in (2, 3, 4) and rng.random() < 0.5 and state.user != "challenging":  # it never hints
             text += " " + _GOAL_HINTS[lang].get(sc.goal_type, "")
         # Very low and still sinking fast: the user walks away. (trace[-1] is this turn.)
         bye = level == 1 and bool(state.trace) and state.trace[-1]["change"] <= -5
@@ -752,7 +856,10 @@ def main(argv=None):
     ap.add_argument("--simulator", default="rule", choices=["rule", "openai", "hf"])
     ap.add_argument("--simulator-base-url")
     ap.add_argument("--simulator-model")
-    ap.add_argument("--initial-emotion", type=int, default=40)
+    ap.add_argument("--user", default="standard", choices=list(USERS),
+                    help="standard (SAGE) or challenging (never reveals its goal, starts at 30, unclamped)")
+    ap.add_argument("--initial-emotion", type=int, default=None,
+                    help="default: 40 (SAGE) for the standard user, 30 for the challenging one")
     args = ap.parse_args(argv)
     if not args.demo:
         ap.print_help()
@@ -764,9 +871,10 @@ def main(argv=None):
     except (ScenarioError, ValueError) as e:
         ap.error(str(e))
     sc = scenarios[args.index % len(scenarios)]
-    sim = Simulator(backend, initial_emotion=args.initial_emotion, max_turns=len(DEMO_REPLIES))
+    initial = args.initial_emotion if args.initial_emotion is not None else USERS[args.user]["initial_emotion"] or 40
+    sim = Simulator(backend, initial_emotion=initial, max_turns=len(DEMO_REPLIES), user=args.user)
     st = sim.reset(sc)
-    print(f"scenario {sc.id} ({sc.personality_type}, goal: {sc.goal_type or sc.hidden_goal})")
+    print(f"scenario {sc.id} ({sc.personality_type}, goal: {sc.goal_type or sc.hidden_goal}), {args.user} user")
     print(f"user   : {st.history[-1]['content'] if st.history else ''}   [emotion {st.emotion}]")
     for reply in DEMO_REPLIES:
         if st.done:

@@ -57,6 +57,9 @@ class Config:
     simulator_temperature: float = 0.7
     simulator_timeout: float = 120.0
     simulator_concurrency: int = 64
+    user: str = field(default="standard", metadata={
+        "help": "simulated user: standard (SAGE) | challenging (paper Table 3: never reveals its goal, "
+                "unclamped change)", "choices": ["standard", "challenging"]})
     scenarios: str = os.path.join(HERE, "data", "scenarios_train.jsonl")
     initial_emotion: int = 30     # RLVER trains from 30
     max_turns: int = 4            # paper: 8 (the paper preset); 4 keeps the CPU demo short
@@ -66,14 +69,19 @@ class Config:
     group_size: int = 4           # dialogues per scenario (GRPO n=4; PPO n=1)
     max_new_tokens: int = 24
     max_total_tokens: int = 4096
-    temperature: float = 1.0
-    per_turn_samples: bool = False
-    drop_thoughts: bool = True
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature, > 0 (old log-probs are "
+                                                               "those of softmax(logits / T))"})
+    per_turn_samples: bool = field(default=False, metadata={"help": "each agent turn its own sample with the "
+                                                                    "dialogue's reward (on with --preset paper --think)"})
+    drop_thoughts: bool = field(default=True, metadata={"help": "per-turn mode: earlier thoughts dropped from the context"})
     shaping_coef: float = 0.0
     # optimisation
     actor_lr: float = 3e-3
     critic_lr: float = 1e-2
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata={"help": "linear LR warmup steps for both models (> 0 "
+                                                            "overrides the ratios)"})
+    actor_warmup_ratio: float = field(default=0.0, metadata={"help": "actor LR warmup, fraction of --steps"})
+    critic_warmup_ratio: float = field(default=0.0, metadata={"help": "critic LR warmup, fraction of --steps"})
     clip_eps: float = 0.2
     value_clip: float = 0.5
     entropy_coef: float = 0.0
@@ -96,14 +104,19 @@ class Config:
     report_to: str = field(default="auto", metadata={"help": "auto (tensorboard if installed) | none | tensorboard,wandb"})
 
 
-# The paper's hyperparameters (Sec. 4.1 / App.): Qwen2.5-7B-Instruct, batch 32, actor lr 1e-6,
-# critic lr 5e-6, 8 turns, temperature 1.0, GRPO n=4, PPO n=1, KL 0, gamma = lambda = 1.
+# The paper's recipe: the RLVER paper (Sec. 4.1 / App.) and the official training script
+# (train_rlver.sh, with verl's ppo_trainer.yaml defaults). Qwen2.5-7B-Instruct, 1000 steps of 32
+# scenarios, actor lr 1e-6 (2% warmup), critic lr 5e-6 (5% warmup), entropy 1e-3, clip 0.2,
+# value clip 0.5, grad clip 1.0, 1 epoch, KL 0, gamma = lambda = 1, temperature 1.0, 8 turns, GRPO
+# n=4 / PPO n=1. README ("The paper setup") lists every value with its source.
 PRESETS = {
     "tiny": {},  # the dataclass defaults: sized for a 2-core CPU
     "paper": dict(model="Qwen/Qwen2.5-7B-Instruct", think=True, simulator="openai", steps=1000,
-                  batch_size=32, max_new_tokens=512, max_total_tokens=8192, actor_lr=1e-6,
-                  critic_lr=5e-6, entropy_coef=1e-3, minibatch_size=32, micro_batch_size=2,
-                  gradient_checkpointing=True, save_every=50, initial_emotion=30, max_turns=8),
+                  batch_size=32, max_new_tokens=512, max_total_tokens=8192, temperature=1.0, actor_lr=1e-6,
+                  critic_lr=5e-6, actor_warmup_ratio=0.02, critic_warmup_ratio=0.05, entropy_coef=1e-3,
+                  clip_eps=0.2, value_clip=0.5, max_grad_norm=1.0, epochs=1, kl_coef=0.0, gamma=1.0, lam=1.0,
+                  minibatch_size=32, micro_batch_size=2, gradient_checkpointing=True, save_every=50,
+                  initial_emotion=30, max_turns=8, user="standard"),
 }
 ALGO_DEFAULTS = {"grpo": {"group_size": 4}, "ppo": {"group_size": 1}}
 TINY_PPO = {"batch_size": 16}  # PPO has no group: more scenarios per step for the same work
@@ -126,7 +139,37 @@ def parse_args(argv=None) -> Config:
     algo = args.get("algo", cfg.algo)
     merged = {**ALGO_DEFAULTS[algo], **PRESETS.get(preset, {}),
               **(TINY_PPO if preset == "tiny" and algo == "ppo" else {}), **args}
+    # The official code trains think mode turn by turn: each agent turn its own sample with the
+    # dialogue's reward, earlier thoughts dropped from the history (README, "Think mode").
+    if preset == "paper" and merged.get("think") and "per_turn_samples" not in args:
+        merged["per_turn_samples"] = True
     return dataclasses.replace(cfg, **merged)
+
+
+def preset_values(cfg: Config) -> dict:
+    """The values a preset decides (its own, the algorithm's, the derived think-mode ones), as
+    resolved after flags: logged at the start of a run so a run states its recipe."""
+    keys = [*ALGO_DEFAULTS[cfg.algo], *PRESETS.get(cfg.preset, {})]
+    if cfg.preset == "paper":
+        keys += ["per_turn_samples", "drop_thoughts"]
+    return {k: getattr(cfg, k) for k in dict.fromkeys(keys)}
+
+
+def warmup_steps(cfg: Config, ratio: float) -> int:
+    """Linear warmup length: --warmup-steps when set, else ratio x --steps (verl: int(ratio * total))."""
+    return cfg.warmup_steps or int(ratio * cfg.steps)
+
+
+def algo_config(cfg: Config):
+    """Config -> the PPOConfig / GRPOConfig of the update."""
+    from grpo import GRPOConfig
+    from ppo import PPOConfig
+    common = dict(clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef, epochs=cfg.epochs, minibatch_size=cfg.minibatch_size,
+                  micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature,
+                  entropy_coef=cfg.entropy_coef)
+    if cfg.algo == "ppo":
+        return PPOConfig(value_clip=cfg.value_clip, gamma=cfg.gamma, lam=cfg.lam, **common)
+    return GRPOConfig(scale=cfg.adv_scale, agg=cfg.loss_agg, **common)
 
 
 class InputError(Exception):
@@ -156,6 +199,12 @@ def validate(cfg: Config):
     for name in ("steps", "batch_size", "group_size", "max_turns", "max_new_tokens", "micro_batch_size", "minibatch_size"):
         if getattr(cfg, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
+    if not cfg.temperature > 0:  # T = 0 divides the logits by 0: NaN loss, NaN weights
+        raise InputError(f"--temperature {cfg.temperature}: training samples with a temperature > 0 "
+                         f"(evaluate.py takes 0 for greedy decoding)")
+    for name in ("actor_warmup_ratio", "critic_warmup_ratio"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be in [0, 1)")
     if cfg.algo == "grpo" and cfg.group_size < 2:
         raise InputError("--group-size must be >= 2 for GRPO (a group of one has no baseline)")
     if cfg.simulator == "openai" and not (cfg.simulator_base_url and cfg.simulator_model):
@@ -420,8 +469,8 @@ def train(cfg: Config) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, set_seed
     from tqdm.auto import tqdm
-    from grpo import GRPOConfig, grpo_update
-    from ppo import PPOConfig, ppo_update
+    from grpo import grpo_update
+    from ppo import needs_old_logprobs, ppo_update
     from rollout import GenConfig, add_logprobs, rollout
 
     mp = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
@@ -435,20 +484,25 @@ def train(cfg: Config) -> dict:
     dtype = torch.bfloat16 if mp == "bf16" else torch.float32
     policy, tok, critic, ref, attn = load_models(cfg, dtype)
     if accelerator.is_main_process:
-        log.info("policy %s | attention: %s | precision: %s | processes: %d | simulator: %r",
-                 cfg.model, attn, mp, accelerator.num_processes, backend)
+        log.info("policy %s | attention: %s | precision: %s | processes: %d | simulator: %r | user: %s",
+                 cfg.model, attn, mp, accelerator.num_processes, backend, cfg.user)
+        log.info("preset %s, %s: %s", cfg.preset, cfg.algo,
+                 " ".join(f"{k}={v}" for k, v in preset_values(cfg).items()))
 
-    sched_fn = lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0  # noqa: E731
+    # Linear warmup, actor and critic separately (official RLVER: 2% and 5% of the steps). The
+    # first step runs at 1/w of the LR (verl's constant-with-warmup starts at 0: one step apart).
+    def warmup(w):
+        return lambda s: min(1.0, (s + 1) / w) if w else 1.0
     # Fused AdamW: one kernel over all parameters (7x faster than the per-tensor loop on CPU,
     # and faster on GPU); FSDP's sharded parameters take the multi-tensor (foreach) version.
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.0,  # noqa: E731
                                                  **({"foreach": True} if fsdp else {"fused": True}))
     actor_opt = adamw(policy.parameters(), cfg.actor_lr)
-    actor_sched = torch.optim.lr_scheduler.LambdaLR(actor_opt, sched_fn)
+    actor_sched = torch.optim.lr_scheduler.LambdaLR(actor_opt, warmup(warmup_steps(cfg, cfg.actor_warmup_ratio)))
     if critic is not None:
         critic_opt = adamw(critic.parameters(), cfg.critic_lr)
-        critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, sched_fn)
+        critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, warmup(warmup_steps(cfg, cfg.critic_warmup_ratio)))
     # One prepare call per model: FSDP2 shards one model per call and re-points that model's
     # optimizer at the sharded parameters ("Only one model is supported when using FSDP2").
     policy, actor_opt, actor_sched = accelerator.prepare(policy, actor_opt, actor_sched)
@@ -476,15 +530,12 @@ def train(cfg: Config) -> dict:
     accelerator.init_trackers("rlver", config={k: v for k, v in dataclasses.asdict(cfg).items()})
 
     sim = Simulator(backend, initial_emotion=cfg.initial_emotion, max_turns=cfg.max_turns,
-                    concurrency=cfg.simulator_concurrency)
+                    concurrency=cfg.simulator_concurrency, user=cfg.user)
     gen_cfg = GenConfig(max_new_tokens=cfg.max_new_tokens, max_total_tokens=cfg.max_total_tokens,
                         temperature=cfg.temperature, per_turn_samples=cfg.per_turn_samples,
                         drop_thoughts=cfg.drop_thoughts, shaping_coef=cfg.shaping_coef,
                         logprob_batch_size=cfg.micro_batch_size)
-    common = dict(clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef, epochs=cfg.epochs, minibatch_size=cfg.minibatch_size,
-                  micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature)
-    algo_cfg = (PPOConfig(value_clip=cfg.value_clip, entropy_coef=cfg.entropy_coef, gamma=cfg.gamma, lam=cfg.lam, **common)
-                if cfg.algo == "ppo" else GRPOConfig(scale=cfg.adv_scale, agg=cfg.loss_agg, **common))
+    algo_cfg = algo_config(cfg)
     gen = torch.Generator()
 
     def any_active(local: bool) -> bool:  # does any process still have dialogues running?
@@ -523,7 +574,7 @@ def train(cfg: Config) -> dict:
         # Old log-probs are needed only when the policy changes before the last minibatch is
         # seen (several epochs or minibatches) or for PPO's KL-in-reward; else ratio = 1 exactly
         # and the update uses the detached current log-probs (one forward pass fewer).
-        need_old = cfg.epochs > 1 or n_minibatches > 1 or (cfg.algo == "ppo" and ref is not None)
+        need_old = needs_old_logprobs(len(batch), algo_cfg) or (cfg.algo == "ppo" and ref is not None)
         if need_old or ref is not None:
             batch = add_logprobs(batch, policy, ref, cfg.temperature, cfg.micro_batch_size, old=need_old)
         policy.train()
@@ -540,7 +591,8 @@ def train(cfg: Config) -> dict:
         upd = reduce_update_stats(accelerator, upd)
         n_tok = accelerator.reduce(batch.attention_mask.sum().to(accelerator.device), reduction="sum").item()
         row = {"step": step, **roll, **upd, "step_time": dt, "rollout_time": t_roll,
-               "tokens_per_s": n_tok / dt, "lr": actor_sched.get_last_lr()[0]}
+               "tokens_per_s": n_tok / dt, "lr": actor_sched.get_last_lr()[0],
+               **({"critic_lr": critic_sched.get_last_lr()[0]} if critic is not None else {})}
         if accelerator.is_main_process:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -2,6 +2,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from evaluate import CachedBackend, format_table, load_transcripts, main, summarize
 from fake_openai import FakeOpenAIServer
@@ -108,3 +109,42 @@ def test_interrupted_evaluation_resumes_without_repaying_calls(tmp_path):
 def test_table_format():
     t = format_table({"m": summarize([{**r, "valid": r.get("valid", True)} for r in HAND_MADE])})
     assert t.splitlines()[0].split()[:3] == ["model", "n", "Sentient"]
+
+
+def test_tiny_model_scores_lower_against_the_challenging_user(tmp_path):
+    scores = {}
+    for user in ("standard", "challenging"):
+        out = tmp_path / user
+        assert main(["--model", "tiny", "--limit", "3", "--max-new-tokens", "8", "--max-turns", "3",
+                     "--user", user, "--output-dir", str(out)]) == 0
+        summary = json.load(open(out / "summary.json"))
+        assert summary["protocol"]["user"] == user
+        assert summary["protocol"]["initial_emotion"] == {"standard": 40, "challenging": 30}[user]
+        recs = load_transcripts(str(out / "tiny" / "transcripts.jsonl"))
+        assert all(r["emotion_trace"][0] == summary["protocol"]["initial_emotion"] for r in recs)
+        scores[user] = summary["results"]["tiny"]["sentient_score"]
+    assert scores["challenging"] < scores["standard"] - 10, scores
+
+
+def test_evaluation_ignores_the_checkpoints_generation_config(tmp_path, monkeypatch):
+    """A checkpoint's generation_config.json (Qwen2.5: repetition_penalty 1.05, top_k 20, ...)
+    must not shape evaluation decoding: greedy is the argmax of the raw logits at every step,
+    and summary.json records the complete sampling recipe."""
+    import evaluate
+    from test_rollout import recording_policy
+    model, tok, calls = recording_policy(seed=2)
+    monkeypatch.setattr(evaluate, "load_policy", lambda m, seed: (model.eval(), tok))
+    assert main(["--model", "tiny", "--limit", "2", "--max-new-tokens", "12", "--max-turns", "2",
+                 "--output-dir", str(tmp_path)]) == 0
+    assert calls
+    for out in calls:
+        for scores, logits in zip(out.scores, out.logits):
+            assert torch.equal(scores, logits)
+    sampling = json.load(open(tmp_path / "summary.json"))["protocol"]["sampling"]
+    assert sampling["do_sample"] is False and sampling["repetition_penalty"] == 1.0
+    assert main(["--score", str(tmp_path / "tiny" / "transcripts.jsonl"), "--temperature", "0.7",
+                 "--output-dir", str(tmp_path / "s")]) == 0
+    sampling = json.load(open(tmp_path / "s" / "summary.json"))["protocol"]["sampling"]
+    assert sampling == {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0, "typical_p": 1.0,
+                        "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0,
+                        "no_repeat_ngram_size": 0, "num_beams": 1}

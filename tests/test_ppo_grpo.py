@@ -271,3 +271,67 @@ def test_padding_rows_contribute_zero_gradient(algo):
         assert torch.allclose(a, c, atol=1e-6, rtol=1e-4)
     empty = b.select([]).pad_to(2, tok.pad_token_id)
     assert len(empty) == 2 and empty.loss_mask.sum() == 0 and empty.attention_mask.sum() == 4
+
+
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+@pytest.mark.parametrize("scale", ["std", "none"])
+def test_all_equal_groups_get_exactly_zero_advantage(eps, scale):
+    """float32 rounding must not turn an all-equal group into a signal (0.85 x 3 gave -0.0555
+    each; 0.11 x 3 with eps = 0 gave 0.8165)."""
+    for n in range(2, 9):
+        for k in range(101):
+            r = torch.full((n + 2,), k / 100)
+            r[-2:] = torch.tensor([0.0, 1.0])  # another group, with signal, in the same batch
+            gid = torch.tensor([0] * n + [1, 1])
+            a = group_advantages(r, gid, scale=scale, eps=eps)
+            assert (a[:n] == 0).all(), (n, k, a[:n])
+            assert (a[n:] != 0).all()
+    # the per-turn path (several rows per dialogue) too
+    a = group_advantages(torch.full((5,), 0.85), torch.zeros(5, dtype=torch.long), scale=scale, eps=eps,
+                         dialogue_ids=torch.tensor([0, 0, 1, 2, 2]))
+    assert (a == 0).all()
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.parametrize("epochs,minibatch", [(2, 8), (1, 4)])
+def test_on_policy_shortcut_is_refused_beyond_one_optimizer_step(algo, epochs, minibatch):
+    """old_logprobs=None means ratio 1: right for the first optimizer step only. With several
+    epochs or minibatches the later steps would train with ratio 1 after the policy moved."""
+    model, tok = make_tiny_policy(seed=7)
+    b = synthetic_batch(model, tok, n=8, seed=7)
+    b = b.__class__(**{**b.__dict__, "old_logprobs": None, "ref_logprobs": None})
+    opt = Capture(model.parameters())
+    with pytest.raises(ValueError, match="old_logprobs=None is only valid for one optimizer step"):
+        if algo == "grpo":
+            grpo_update(model, opt, b, GRPOConfig(epochs=epochs, minibatch_size=minibatch, micro_batch_size=4))
+        else:
+            critic = ValueModel.from_config(model.config)
+            ppo_update(model, critic, (opt, Capture(critic.parameters())), b,
+                       PPOConfig(epochs=epochs, minibatch_size=minibatch, micro_batch_size=4))
+    assert opt.grads == []  # refused before any step
+
+
+def test_grpo_entropy_bonus_is_applied_like_ppo():
+    """GRPOConfig.entropy_coef adds -coef * entropy (aggregated like the policy loss) to the
+    loss, as verl does whatever the advantage estimator. With all-equal rewards the surrogate has
+    zero gradient, so the whole gradient is the entropy term's."""
+    from grpo import aggregate
+    from rollout import token_logprobs
+    model, tok = make_tiny_policy(seed=8)
+    b = synthetic_batch(model, tok, n=6, seed=8)
+    b = b.__class__(**{**b.__dict__, "rewards": torch.full((6,), 0.5), "ref_logprobs": None})
+    for agg in ["token-mean", "seq-mean-token-sum"]:
+        opt = Capture(model.parameters())
+        grpo_update(model, opt, b, GRPOConfig(minibatch_size=6, micro_batch_size=4, agg=agg, entropy_coef=0.3,
+                                              max_grad_norm=1e9))
+        model.zero_grad()
+        _, ent = token_logprobs(model, b.input_ids, b.attention_mask, return_entropy=True, entropy_grad=True)
+        (-0.3 * aggregate(ent, b.loss_mask, agg)).backward()
+        ref = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        assert sum(g.abs().sum() for g in ref) > 0
+        for a, r in zip(opt.grads[0], ref):
+            assert torch.allclose(a, r, atol=1e-7, rtol=1e-4)
+    opt = Capture(model.parameters())
+    grpo_update(model, opt, b, GRPOConfig(minibatch_size=6, entropy_coef=0.0))
+    assert all((g == 0).all() for g in opt.grads[0])  # no bonus, no signal: no gradient

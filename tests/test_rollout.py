@@ -283,3 +283,59 @@ def test_process_without_work_keeps_joining_generate(tiny):
     ref = rollout(ScriptedPolicy(tok, ["That sounds hard."]), tok, sim(max_turns=2), SC[:1], think=False,
                   gen_cfg=GenConfig(max_new_tokens=16), compute_logprobs=False)
     assert torch.equal(b.input_ids, ref.input_ids) and torch.equal(b.loss_mask, ref.loss_mask)
+
+
+# Qwen2.5-7B-Instruct's generation_config.json (plus fields other checkpoints ship): with
+# transformers 5, anything the rollout's GenerationConfig leaves unset is filled from these.
+QWEN_LIKE_DEFAULTS = dict(do_sample=True, repetition_penalty=1.05, top_k=20, top_p=0.8, temperature=0.7,
+                          no_repeat_ngram_size=2, typical_p=0.9, min_p=0.05, suppress_tokens=[5, 6])
+
+
+def recording_policy(seed=0):
+    """A tiny model carrying Qwen-like generation defaults whose generate() also records the
+    scores after all logits processors/warpers and the raw logits of every step."""
+    from rollout import make_tiny_policy as mk
+    model, tok = mk(seed=seed)
+    for k, v in QWEN_LIKE_DEFAULTS.items():
+        setattr(model.generation_config, k, v)
+    calls, orig = [], model.generate
+
+    def generate(**kw):
+        out = orig(**kw, output_scores=True, output_logits=True, return_dict_in_generate=True)
+        calls.append(out)
+        return out.sequences
+    model.generate = generate
+    return model, tok, calls
+
+
+@pytest.mark.parametrize("T", [1.0, 0.7])
+def test_sampled_distribution_is_exactly_softmax_logits_over_T_despite_model_defaults(T):
+    """Whatever the checkpoint's generation_config says, every step samples from
+    softmax(logits / T) over the whole vocabulary: the distribution the old log-probs score."""
+    from rollout import end_of_turn_id, generate_turn
+    model, tok, calls = recording_policy()
+    ctx = [tok.encode("<|im_start|>user\nI lost my job today<|im_end|>\n<|im_start|>assistant\n"),
+           tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")]
+    torch.manual_seed(0)
+    generate_turn(model, ctx, GenConfig(max_new_tokens=16, temperature=T), end_of_turn_id(tok), tok.pad_token_id)
+    out = calls[0]
+    assert len(out.scores) >= 8
+    for scores, logits in zip(out.scores, out.logits):
+        want = torch.log_softmax(logits.float() / T, -1)
+        got = torch.log_softmax(scores.float(), -1)
+        assert torch.isfinite(got).all()  # no token was cut away (top-k/top-p/min-p/suppression)
+        assert (got - want).abs().max() < 1e-4
+    assert model.generation_config.repetition_penalty == 1.05  # the model's own config is left as it was
+
+
+def test_greedy_turn_is_argmax_of_raw_logits_despite_model_defaults():
+    """evaluate.py's greedy decoding: no repetition penalty or n-gram ban from the checkpoint."""
+    from rollout import end_of_turn_id, generate_turn
+    model, tok, calls = recording_policy(seed=1)
+    ctx = [tok.encode("<|im_start|>user\nhello hello hello<|im_end|>\n<|im_start|>assistant\n")]
+    generate_turn(model, ctx, GenConfig(max_new_tokens=24, temperature=0.0), end_of_turn_id(tok), tok.pad_token_id)
+    out = calls[0]
+    new = out.sequences[0, len(ctx[0]):]
+    for k, (scores, logits) in enumerate(zip(out.scores, out.logits)):
+        assert torch.equal(scores, logits)
+        assert new[k] == logits[0].argmax()

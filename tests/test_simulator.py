@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import subprocess
@@ -291,3 +292,97 @@ def test_demo_prints_emotion_trace():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "emotion" in out.stdout and "outcome:" in out.stdout and "->" in out.stdout
+
+
+# ---------------------------------------------------------------- the challenging user
+def test_challenging_user_starts_at_30_and_its_change_is_not_clamped():
+    sim = Simulator(Scripted([A(35), R("hm."), A(-50), R("...")]), user="challenging")
+    st = sim.reset(sc())
+    assert st.emotion == 30 and st.user == "challenging"
+    st = sim.step(st, "hello")
+    assert st.trace[0]["change"] == 35 and st.emotion == 65
+    st = sim.step(st, "whatever")
+    assert st.trace[1]["change"] == -50 and st.emotion == 15 and not st.done  # termination as before
+    assert Simulator(Scripted([]), user="challenging", initial_emotion=40).reset(sc()).emotion == 40
+    with pytest.raises(ValueError, match="unknown simulated user"):
+        Simulator(Scripted([]), user="hard")
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_challenging_prompts_forbid_revealing_the_goal_and_have_no_change_range(lang):
+    from simulator import appraisal_messages, opening_messages, reply_messages
+    s = sc(language=lang, hidden_goal="secret-goal-xyz", first_message=None)
+    hard, std = UserState(scenario=s, emotion=30, user="challenging"), UserState(scenario=s, emotion=30)
+    for st in (hard, std):
+        st.history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    never = {"en": "Never reveal it", "zh": "绝不能透露"}[lang]
+    bounded = {"en": "-10 to +10", "zh": "-10到+10"}[lang]
+    for msgs in (appraisal_messages(hard, "hello"), reply_messages(hard, False), opening_messages(s, "challenging")):
+        assert "secret-goal-xyz" in msgs[0]["content"] and never in msgs[0]["content"] and "json" in msgs[0]["content"]
+    assert bounded not in appraisal_messages(hard, "hello")[0]["content"]
+    assert bounded in appraisal_messages(std, "hello")[0]["content"]
+    assert never not in appraisal_messages(std, "hello")[0]["content"]
+    # the simulator sends them: an LLM backend sees the challenging prompts
+    backend = Scripted([R("Hey."), A(0), R("hm.")])
+    sim = Simulator(backend, user="challenging")
+    sim.step(sim.reset(s), "hello")
+    assert all(never in call[0]["content"] for call in backend.calls)
+
+
+def play_scripted(user, scenarios, initial_emotion=None):
+    from simulator import DEMO_REPLIES
+    sim = Simulator(RuleBackend(seed=0), initial_emotion=initial_emotion, max_turns=len(DEMO_REPLIES), user=user)
+    finals = []
+    for s in scenarios:
+        st = sim.reset(s)
+        for r in DEMO_REPLIES:
+            if not st.done:
+                st = sim.step(st, r)
+        finals.append(st.emotion)
+    return sum(finals) / len(finals)
+
+
+def test_same_scripted_agent_scores_lower_against_the_challenging_user():
+    test = load_scenarios(os.path.join(ROOT, "data", "scenarios_test.jsonl"))
+    # each user with its own start (SAGE evaluation: 40; challenging: 30), and both from 30
+    assert play_scripted("challenging", test) < play_scripted("standard", test, 40) - 10
+    assert play_scripted("challenging", test, 30) < play_scripted("standard", test, 30) - 10
+
+
+def test_rule_challenging_user_weighs_goal_more_and_gibberish_harder():
+    r = RuleBackend()
+
+    def change(user, reply, goal="advice"):
+        st = UserState(scenario=sc(goal_type=goal, personality_type=""), emotion=50, user=user,
+                       history=[{"role": "user", "content": "I lost my job."}, {"role": "assistant", "content": reply}])
+        return sum(r.appraise(dataclasses.replace(st, scenario=dataclasses.replace(st.scenario, id=str(k))), reply)[0]
+                   for k in range(40)) / 40  # mean over the stochastic rounding
+    generic = "That sounds really hard, I understand how you feel."
+    goal = "Maybe you could try a plan: one small step, then suggest the next."
+    garbled = "\x07\x13 ~~ ### \x01"
+    assert change("challenging", generic) <= 0 < change("standard", generic)  # generic comfort is not enough
+    assert change("challenging", goal) > change("challenging", generic) + 2
+    assert change("challenging", garbled) < change("standard", garbled) - 3
+    assert change("challenging", "again " * 20) < change("standard", "again " * 20)
+
+
+def test_challenging_rule_user_never_hints_at_its_goal():
+    from simulator import _GOAL_HINTS
+    hints = {h for lang in _GOAL_HINTS.values() for h in lang.values() if h}
+    for user, expect_hint in (("standard", True), ("challenging", False)):
+        sim = Simulator(RuleBackend(seed=0), initial_emotion=50, max_turns=10, user=user)
+        said = []
+        for s in load_scenarios(os.path.join(ROOT, "data", "scenarios_test.jsonl")):
+            st = sim.reset(s)
+            for _ in range(4):
+                if not st.done:
+                    st = sim.step(st, "I see. Tell me more about it?")
+            said += [m["content"] for m in st.history if m["role"] == "user"]
+        assert any(h in t for t in said for h in hints) == expect_hint
+
+
+def test_demo_with_the_challenging_user():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "simulator.py"), "--demo", "--user", "challenging"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "challenging user" in out.stdout and "[emotion 30]" in out.stdout

@@ -42,6 +42,9 @@ def test_unknown_flag_is_a_one_line_error(capsys):
     (["--scenarios", "EMPTY"], "holds no scenarios"),
     (["--algo", "grpo", "--group-size", "1"], "group-size must be >= 2"),
     (["--resume", "./no/such/ckpt"], "no such checkpoint directory"),
+    (["--temperature", "0"], "--temperature 0.0: training samples with a temperature > 0"),
+    (["--temperature", "-1"], "--temperature -1.0: training samples with a temperature > 0"),
+    (["--actor-warmup-ratio", "1.5"], "--actor-warmup-ratio must be in [0, 1)"),
 ])
 def test_bad_input_fails_fast_with_one_line(flags, msg, tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
@@ -108,3 +111,45 @@ def test_short_tiny_run_improves_reward(algo, extra, tmp_path):
     r = [m["reward"] for m in read_metrics(str(tmp_path))]
     first, last = sum(r[:4]) / 4, sum(r[-4:]) / 4
     assert last > first + 0.03, f"{algo}: reward {first:.3f} -> {last:.3f}: {r}"
+
+
+def test_paper_preset_is_the_official_recipe():
+    from grpo import GRPOConfig
+    from train import algo_config, preset_values, warmup_steps
+    c = parse_args(["--algo", "grpo", "--preset", "paper"])
+    # warmup: actor 2%, critic 5% of the 1000 steps, separately
+    assert (c.actor_warmup_ratio, c.critic_warmup_ratio, warmup_steps(c, c.actor_warmup_ratio),
+            warmup_steps(c, c.critic_warmup_ratio)) == (0.02, 0.05, 20, 50)
+    # the entropy bonus reaches GRPO too (verl applies actor.entropy_coeff whatever the estimator)
+    a = algo_config(c)
+    assert isinstance(a, GRPOConfig) and a.entropy_coef == 1e-3 and (a.clip_eps, a.epochs, a.kl_coef) == (0.2, 1, 0.0)
+    # think mode trains turn by turn, earlier thoughts dropped; without think: one sequence per dialogue
+    assert c.think and c.per_turn_samples and c.drop_thoughts
+    assert not parse_args(["--preset", "paper", "--no-think"]).per_turn_samples
+    assert not parse_args(["--preset", "paper", "--no-per-turn-samples"]).per_turn_samples
+    assert not parse_args(["--preset", "tiny", "--think"]).per_turn_samples
+    v = preset_values(c)
+    assert v["group_size"] == 4 and v["per_turn_samples"] is True and v["actor_lr"] == 1e-6 and v["user"] == "standard"
+    assert parse_args(["--algo", "ppo", "--preset", "paper", "--critic-lr", "1e-5"]).critic_lr == 1e-5
+
+
+def test_paper_preset_logs_its_values_and_warms_up_actor_and_critic_separately(tmp_path, caplog):
+    """The paper preset on the tiny model (offline): per-turn think mode runs, the resolved recipe
+    is logged at the start, and the two learning rates ramp up on their own schedules."""
+    import logging
+    caplog.set_level(logging.INFO, logger="train")
+    rc = main(["--algo", "ppo", "--preset", "paper", "--model", "tiny", "--simulator", "rule", "--steps", "5",
+               "--batch-size", "1", "--max-turns", "1", "--max-new-tokens", "6", "--actor-lr", "1e-3",
+               "--critic-lr", "1e-2", "--actor-warmup-ratio", "0.6", "--critic-warmup-ratio", "0.8",
+               "--save-every", "100", "--report-to", "none", "--output-dir", str(tmp_path)])
+    assert rc == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("preset paper"))
+    for kv in ("actor_lr=0.001", "critic_lr=0.01", "entropy_coef=0.001", "actor_warmup_ratio=0.6",
+               "critic_warmup_ratio=0.8", "per_turn_samples=True", "drop_thoughts=True", "group_size=1",
+               "temperature=1.0", "max_turns=1", "model=tiny"):
+        assert kv in line.split(), (kv, line)
+    rows = read_metrics(str(tmp_path))
+    # warmup over 3 (actor) and 4 (critic) steps; the lr logged is the next step's (after the
+    # scheduler stepped): step s ran at min(1, (s + 1) / w) of the peak
+    assert [round(r["lr"] / 1e-3, 6) for r in rows] == [round(2 / 3, 6), 1.0, 1.0, 1.0, 1.0]
+    assert [round(r["critic_lr"] / 1e-2, 6) for r in rows] == [0.5, 0.75, 1.0, 1.0, 1.0]
