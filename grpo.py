@@ -147,6 +147,7 @@ def grpo_update(policy, optimizer, batch, cfg: GRPOConfig, accelerator=None, gen
                 micro.append({"policy_loss": loss.item(), "entropy": masked_mean(ent.detach(), mb.loss_mask.float()).item(), **s})
             stats.append(_minibatch_stats(micro, grad_norm=_step(policy, optimizer, cfg.max_grad_norm, accelerator)))
     out = _mean(stats)
+    out["optimizer_steps"] = len(stats)
     out["advantage_abs_mean"] = adv.abs().mean().item()
     out["zero_adv_frac"] = (adv == 0).float().mean().item()
     return out

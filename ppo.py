@@ -343,6 +343,7 @@ def ppo_update(policy, critic, optimizers, batch, cfg: PPOConfig, accelerator=No
             stats.append(_minibatch_stats(micro, grad_norm=_step(policy, actor_opt, cfg.max_grad_norm, accelerator),
                                           critic_grad_norm=_step(critic, critic_opt, cfg.max_grad_norm, accelerator)))
     out = _mean(stats)
+    out["optimizer_steps"] = len(stats)
     out["advantage_mean"] = masked_mean(adv, mask).item()
     out["return_mean"] = masked_mean(returns, mask).item()
     if kl is not None:

@@ -40,8 +40,10 @@ def test_two_process_update_equals_one_process_update(mode, tmp_path):
     assert res["distributed_type"].endswith("FSDP" if mode == "fsdp2" else "MULTI_CPU")
 
 
-TINY = ["--batch-size", "4", "--max-new-tokens", "8", "--report-to", "none", "--save-every", "2",
-        "--actor-lr", "1e-2"]
+# --minibatch-size counts scenarios of the whole step: 4 / 2 = 2 optimizer steps per rollout on
+# any number of processes (and so the rollout's old log-probs are computed).
+TINY = ["--batch-size", "4", "--minibatch-size", "2", "--max-new-tokens", "8", "--report-to", "none",
+        "--save-every", "2", "--actor-lr", "1e-2"]
 # Dialogues end at different turns on the two processes (a low start: some users give up after
 # one turn, others play on), and per-turn samples give the processes different row counts, so
 # padding rows and idle processes are exercised.
@@ -71,6 +73,7 @@ def test_train_resume_equals_uninterrupted(mode, algo, extra, tmp_path):
     assert metric_steps(full) == [0, 1, 2, 3]  # one row per step: the processes stayed in step
     rows = [json.loads(l) for l in open(os.path.join(full, "metrics.jsonl"))]
     assert all(r["dialogues"] == 4 * (2 if algo == "grpo" else 1) for r in rows)  # summed, not averaged
+    assert all(r["optimizer_steps"] == 2 for r in rows)
     ck = sorted(os.listdir(os.path.join(full, "checkpoints")))
     assert ck == ["step_000002", "step_000004"]  # no temporary folder left behind
     # A run that stopped after its step-2 checkpoint: the same checkpoint, nothing after it.

@@ -153,3 +153,15 @@ def test_paper_preset_logs_its_values_and_warms_up_actor_and_critic_separately(t
     # scheduler stepped): step s ran at min(1, (s + 1) / w) of the peak
     assert [round(r["lr"] / 1e-3, 6) for r in rows] == [round(2 / 3, 6), 1.0, 1.0, 1.0, 1.0]
     assert [round(r["critic_lr"] / 1e-2, 6) for r in rows] == [0.5, 0.75, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("algo,group", [("grpo", 4), ("ppo", 1)])
+def test_minibatch_counts_scenarios_of_the_step(algo, group, tmp_path):
+    """--minibatch-size counts scenarios (the official ppo_mini_batch_size), not rows: 4
+    scenarios per step in minibatches of 2 -> 2 optimizer steps per rollout, whatever the
+    group size (counting rows, GRPO would take 8)."""
+    cfg = parse_args(["--algo", algo, "--steps", "1", "--batch-size", "4", "--group-size", str(group),
+                      "--minibatch-size", "2", "--max-turns", "1", "--max-new-tokens", "4",
+                      "--report-to", "none", "--output-dir", str(tmp_path)])
+    train(cfg)
+    assert [r["optimizer_steps"] for r in read_metrics(str(tmp_path))] == [2]
