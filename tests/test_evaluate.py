@@ -15,6 +15,9 @@ HAND_MADE = [
     {"scenario_id": "d", "emotion": 60, "outcome": "goodbye", "turns": 5, "emotion_trace": [40, 60], "reply_lengths": [50] * 5},
     {"scenario_id": "e", "emotion": 40, "outcome": "simulator_error", "turns": 0, "valid": False, "emotion_trace": [40],
      "reply_lengths": []},
+    # Never appraised (the token budget stopped it before the first turn): no score, not an error.
+    {"scenario_id": "f", "emotion": 40, "outcome": "max_tokens", "turns": 0, "valid": False, "emotion_trace": [40],
+     "reply_lengths": []},
 ]
 
 
@@ -22,9 +25,9 @@ def test_metrics_of_hand_made_transcripts_exact(tmp_path):
     p = tmp_path / "t.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in HAND_MADE))
     s = summarize(load_transcripts(str(p)))
-    assert s == {"dialogues": 5, "scored": 4, "sentient_score": (100 + 5 + 50 + 60) / 4, "success_rate": 0.25,
+    assert s == {"dialogues": 6, "scored": 4, "sentient_score": (100 + 5 + 50 + 60) / 4, "success_rate": 0.25,
                  "failure_rate": 0.25, "mean_turns": (3 + 2 + 10 + 5) / 4,
-                 "mean_reply_length": (60 + 10 + 100 + 250) / 20, "simulator_errors": 1}
+                 "mean_reply_length": (60 + 10 + 100 + 250) / 20, "simulator_errors": 1, "unscored": 1}
 
 
 def test_other_systems_format_and_json_list(tmp_path):
@@ -82,11 +85,11 @@ def test_interrupted_evaluation_resumes_without_repaying_calls(tmp_path):
     # Interrupt the same evaluation in the middle of the second dialogue.
     calls = {"n": 0}
     orig = CachedBackend.chat
-    def crashing(self, messages):
+    def crashing(self, messages, **kw):
         calls["n"] += 1
         if calls["n"] == 8:
             raise KeyboardInterrupt
-        return orig(self, messages)
+        return orig(self, messages, **kw)
     with FakeOpenAIServer() as srv:
         CachedBackend.chat = crashing
         try:
