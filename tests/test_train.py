@@ -201,11 +201,12 @@ def test_truncate_logs_keeps_earlier_steps_and_is_atomic(tmp_path, monkeypatch):
 
 def test_second_run_on_a_busy_output_dir_fails_with_one_line(tmp_path, capsys):
     """Item 8: a second train.py on a directory in use used to interleave its steps with the
-    first's. The holder here is another process that took the lock; once it is killed (no
-    cleanup), the directory is free again."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, train; f = train.lock_output_dir(sys.argv[1]); "
-                               "print('locked', flush=True); time.sleep(600)", str(tmp_path)],
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    first's. The holder here is another process that took the lock (as train.py does: flock
+    on .lock, its pid inside); once it is killed (no cleanup), the directory is free again."""
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; f = open(sys.argv[1], 'w'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); f.write(str(os.getpid())); f.flush(); "
+                               "print('locked', flush=True); time.sleep(600)", str(tmp_path / ".lock")],
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         rc = main([*TINY, "--output-dir", str(tmp_path)])
