@@ -115,6 +115,7 @@ def test_table_format():
 
 
 # ---------------------------------------------------------------- issue 14: faults, reruns, bad input
+from conftest import bad_json_files  # noqa: E402
 from fake_openai import varied_user  # noqa: E402
 
 SMALL = ["--model", "tiny", "--max-new-tokens", "8", "--max-turns", "2", "--batch-size", "4"]
@@ -211,11 +212,8 @@ def test_a_torn_transcript_line_is_dropped_and_its_dialogue_replayed(tmp_path):
 ])
 def test_bad_flags_are_one_line_errors(flags, msg, tmp_path, capsys):
     """Item 10: each used to be a traceback (after the model loaded) or accepted silently."""
-    latin1, deep = tmp_path / "latin1.jsonl", tmp_path / "deep.jsonl"
-    latin1.write_bytes(open(os.path.join(os.path.dirname(__file__), "..", "data", "scenarios_test.jsonl"), "rb")
-                       .readline() + '{"id": "caf\u00e9"}\n'.encode("latin-1"))
-    deep.write_text("[" * 200_000 + "]" * 200_000 + "\n")
-    flags = [str(latin1) if f == "LATIN1" else str(deep) if f == "DEEP" else f for f in flags]
+    bad = bad_json_files(tmp_path)
+    flags = [str(bad.get(f, f)) for f in flags]
     assert main(["--model", "tiny", "--output-dir", str(tmp_path / "out")] + flags) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and len(err.splitlines()) == 1, err

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, bad_json_files
 from train import Config, InputError, main, parse_args, train, validate
 
 TINY = ["--steps", "6", "--batch-size", "2", "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "8",
@@ -55,16 +55,12 @@ def test_unknown_flag_is_a_one_line_error(capsys):
 def test_bad_input_fails_fast_with_one_line(flags, msg, tmp_path, capsys, monkeypatch):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    latin1, deep = tmp_path / "latin1.jsonl", tmp_path / "deep.jsonl"
-    latin1.write_bytes(open(os.path.join(ROOT, "data", "scenarios_train.jsonl"), "rb").readline()
-                       + '{"id": "caf\u00e9"}\n'.encode("latin-1"))
-    deep.write_text("[" * 200_000 + "]" * 200_000 + "\n")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"model_type": "qwen2", ')
     (tmp_path / "notckpt").mkdir()
     (tmp_path / "afile").write_text("x")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    sub = {"EMPTY": empty, "LATIN1": latin1, "DEEP": deep, "BROKEN": tmp_path / "broken", "NOTCKPT": tmp_path / "notckpt",
+    sub = {"EMPTY": empty, **bad_json_files(tmp_path), "BROKEN": tmp_path / "broken", "NOTCKPT": tmp_path / "notckpt",
            "UNDERFILE": tmp_path / "afile" / "out", "OFFLINE": "nosuchorg-rlver/nosuchmodel"}
     flags = [str(sub.get(f, f)) for f in flags]
     out = [] if "--output-dir" in flags else ["--output-dir", str(tmp_path / "out")]
