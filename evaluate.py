@@ -188,7 +188,8 @@ def plot(results: dict[str, list[dict]], png: str, max_turns: int = 10):
     a2.set(xlabel="final emotion", ylabel="dialogues", title="final emotions")
     for a in (a1, a2):
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:  # nothing valid to plot: no legend (and no warning)
+            a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
