@@ -31,10 +31,13 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import sys
 import threading
+
+from simulator import json_line
 
 log = logging.getLogger("evaluate")
 
@@ -43,9 +46,13 @@ log = logging.getLogger("evaluate")
 # Metrics (pure functions of transcripts: also used to score other systems' results).
 # --------------------------------------------------------------------------------------------
 def summarize(records: list[dict]) -> dict:
+    """Means over the scored dialogues: not `simulator_error`, and `valid` (our transcripts mark
+    a dialogue that was never appraised, e.g. the token budget stopped it before the first
+    turn, as not valid: it has no score). A mean over nothing is None (JSON null), never NaN."""
     ok = [r for r in records if r.get("valid", True) and r.get("outcome") != "simulator_error"]
     n = len(ok)
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    errors = sum(r.get("outcome") == "simulator_error" for r in records)
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     return {
         "dialogues": len(records), "scored": n,
         "sentient_score": mean([r["emotion"] for r in ok]),
@@ -53,7 +60,8 @@ def summarize(records: list[dict]) -> dict:
         "failure_rate": mean([float(r["emotion"] < 10) for r in ok]),
         "mean_turns": mean([r["turns"] for r in ok]),
         "mean_reply_length": mean([l for r in ok for l in r.get("reply_lengths", [])]),
-        "simulator_errors": len(records) - n,
+        "simulator_errors": errors,
+        "unscored": len(records) - n - errors,
     }
 
 
@@ -64,12 +72,27 @@ def normalize_record(obj: dict, where: str) -> dict:
     """Our transcript format, or another system's result in SAGE's spirit: any JSON object with
     a final emotion under one of _EMOTION_KEYS, and optionally the dialogue under "history" /
     "dialog" (list of {"role", "content"}) and an emotion trace ("emotion_trace" / "emo_trace")."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     key = next((k for k in _EMOTION_KEYS if k in obj), None)
     if key is None or not isinstance(obj[key], (int, float)) or isinstance(obj[key], bool):
         raise ValueError(f"{where}: no numeric final emotion (one of {list(_EMOTION_KEYS)})")
+    if not 0 <= obj[key] <= 100:  # also NaN (every comparison with NaN is False)
+        raise ValueError(f"{where}: final emotion {obj[key]!r} is not in [0, 100]")
     hist = obj.get("history") or obj.get("dialog") or []
+    if not isinstance(hist, list):
+        raise ValueError(f"{where}: 'history'/'dialog' must be a list of messages")
     agent = [m["content"] for m in hist if isinstance(m, dict) and m.get("role") in ("assistant", "npc", "agent")]
     turns = obj.get("turns", len(agent))
+    if not isinstance(turns, int) or isinstance(turns, bool) or turns < 0:
+        raise ValueError(f"{where}: 'turns' must be a non-negative integer, got {turns!r:.40}")
+    for k in ("emotion_trace", "emo_trace", "reply_lengths"):
+        v = obj.get(k, [])
+        if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                              and math.isfinite(x) for x in v):
+            raise ValueError(f"{where}: '{k}' must be a list of numbers")
+    if not all(isinstance(a, str) for a in agent):
+        raise ValueError(f"{where}: message contents must be strings")
     return {**obj, "emotion": float(obj[key]), "turns": turns,
             "emotion_trace": obj.get("emotion_trace") or obj.get("emo_trace") or [],
             "reply_lengths": obj.get("reply_lengths", [len(a) for a in agent]),
@@ -80,31 +103,68 @@ def load_transcripts(path: str) -> list[dict]:
     """A JSONL file (one dialogue per line) or a JSON list. Errors name file and line."""
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such transcript file")
-    text = open(path, encoding="utf-8").read()
+    try:
+        text = open(path, encoding="utf-8").read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
     if text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON ({e.msg}, line {e.lineno})") from None
+        rows = json_line(text, path)
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: expected a JSON list of dialogues")
         return [normalize_record(r, f"{path}[{i}]") for i, r in enumerate(rows)]
     out = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if line.strip():
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            out.append(normalize_record(obj, f"{path}:{lineno}"))
+            out.append(normalize_record(json_line(line, f"{path}:{lineno}"), f"{path}:{lineno}"))
     return out
+
+
+def resume_transcripts(path: str, replay_errors: bool = True) -> dict:
+    """The dialogues an earlier run of this evaluation finished, by scenario id. A last line cut
+    in half by a kill is dropped, so that dialogue is played again; `simulator_error` dialogues
+    are dropped too (the simulator may be back) unless replay_errors=False. The file is then
+    rewritten without them, atomically (a temporary file, renamed over it)."""
+    if not os.path.exists(path):
+        return {}
+    raw = open(path, "rb").read()
+    lines = raw.split(b"\n")
+    last = max((i for i, l in enumerate(lines) if l.strip()), default=-1)
+    keep, done = [], {}
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        where = f"{path}:{i + 1}"
+        try:
+            text = line.decode("utf-8")
+            rec = normalize_record(json_line(text, where), where)
+            if not isinstance(rec.get("scenario_id"), str):
+                raise ValueError(f"{where}: no 'scenario_id' (not a transcript of evaluate.py)")
+        except ValueError as e:  # UnicodeDecodeError is a ValueError too
+            if i == last and not raw.endswith(b"\n"):
+                log.warning("%s: dropping a line cut by an interruption; that dialogue is played again", where)
+                continue
+            raise ValueError(str(e) if str(e).startswith(path) else f"{where}: {e}") from None
+        if replay_errors and rec.get("outcome") == "simulator_error":
+            continue
+        keep.append(text)
+        done[rec["scenario_id"]] = rec
+    if len(keep) != sum(1 for l in lines if l.strip()) or (raw and not raw.endswith(b"\n")):
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(t + "\n" for t in keep)
+        os.replace(tmp, path)
+    return done
 
 
 def format_table(summaries: dict[str, dict]) -> str:
     cols = [("model", None), ("n", "scored"), ("Sentient", "sentient_score"), ("success", "success_rate"),
             ("failure", "failure_rate"), ("turns", "mean_turns"), ("reply chars", "mean_reply_length"),
-            ("sim errors", "simulator_errors")]
+            ("sim errors", "simulator_errors"), ("unscored", "unscored")]
     fmt = {"success_rate": "{:.1%}", "failure_rate": "{:.1%}", "sentient_score": "{:.1f}", "mean_turns": "{:.2f}",
-           "mean_reply_length": "{:.0f}", "scored": "{}", "simulator_errors": "{}"}
-    rows = [[name] + [fmt[k].format(s[k]) for _, k in cols[1:]] for name, s in summaries.items()]
+           "mean_reply_length": "{:.0f}", "scored": "{}", "simulator_errors": "{}",
+           "unscored": "{}"}
+    rows = [[name] + ["-" if s[k] is None else fmt[k].format(s[k]) for _, k in cols[1:]]
+            for name, s in summaries.items()]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, (c, _) in enumerate(cols)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     return "\n".join([line([c for c, _ in cols]), line(["-" * w for w in widths])] + [line(r) for r in rows])
@@ -132,7 +192,8 @@ def plot(results: dict[str, list[dict]], png: str, max_turns: int = 10):
     a2.set(xlabel="final emotion", ylabel="dialogues", title="final emotions")
     for a in (a1, a2):
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:  # nothing valid to plot: no legend (and no warning)
+            a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -142,35 +203,52 @@ def plot(results: dict[str, list[dict]], png: str, max_turns: int = 10):
 # Playing the benchmark.
 # --------------------------------------------------------------------------------------------
 class CachedBackend:
-    """Wraps an LLM backend: each answer is appended to a JSONL file keyed by a hash of the
-    request, so a rerun after an interruption replays paid calls from disk. (With greedy
-    decoding the agent says the same things again, so the same requests come back.)"""
+    """Wraps an LLM backend: each answer the simulator could parse is appended to a JSONL file
+    keyed by a hash of the request, so a rerun after an interruption replays paid calls from
+    disk. (With greedy decoding the agent says the same things again, so the same requests come
+    back.) Only parsed answers are stored (`Simulator._ask` calls `keep`): a retry sends the same
+    messages, and replaying the unparseable answer into its own retry would defeat it."""
 
     def __init__(self, backend, path: str):
         self.backend, self.path, self.lock = backend, path, threading.Lock()
         self.parallel = getattr(backend, "parallel", False)
+        self.takes_deadline = getattr(backend, "takes_deadline", False)
         self.cache, self.hits, self.misses = {}, 0, 0
         if os.path.exists(path):
-            for line in open(path, encoding="utf-8"):
+            for line in open(path, encoding="utf-8", errors="replace"):
                 try:
                     row = json.loads(line)
                     self.cache[row["key"]] = row["response"]
-                except (json.JSONDecodeError, KeyError):
+                except (ValueError, RecursionError, KeyError, TypeError):
                     continue  # a line cut by a crash: that call is simply made again
 
-    def chat(self, messages):
-        key = hashlib.sha256(json.dumps(messages, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
+    @staticmethod
+    def key(messages) -> str:
+        return hashlib.sha256(json.dumps(messages, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
+
+    def chat(self, messages, **kw):
+        key = self.key(messages)
         with self.lock:
             if key in self.cache:
                 self.hits += 1
                 return self.cache[key]
-        response = self.backend.chat(messages)
+        response = self.backend.chat(messages, **kw)
         with self.lock:
             self.misses += 1
+        return response
+
+    def keep(self, messages, response: str):
+        key = self.key(messages)
+        with self.lock:
+            if key in self.cache:
+                return
             self.cache[key] = response
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"key": key, "response": response}, ensure_ascii=False) + "\n")
-        return response
+
+    def take_retries(self) -> int:
+        take = getattr(self.backend, "take_retries", None)
+        return take() if take else 0
 
 
 def label_for(model: str, taken: set) -> str:
@@ -202,14 +280,15 @@ def load_policy(model: str, seed: int):
     return policy.eval(), tok
 
 
-def play(policy, tok, sim, scenarios, args, transcript_path: str, label: str) -> list[dict]:
-    """Play the scenarios not yet in `transcript_path`, appending one line per finished
-    dialogue; returns all records of the file."""
+def play(policy, tok, sim, scenarios, args, transcript_path: str, label: str, done: dict | None = None) -> list[dict]:
+    """Play the scenarios not yet in `transcript_path` (`done`: see resume_transcripts),
+    appending one line per finished dialogue; returns all records of the file."""
     import torch
     from tqdm.auto import tqdm
     from rollout import GenConfig, rollout
     from reward import split_think
-    done = {r["scenario_id"]: r for r in load_transcripts(transcript_path)} if os.path.exists(transcript_path) else {}
+    if done is None:
+        done = resume_transcripts(transcript_path, args.replay_errors)
     todo = [s for s in scenarios if s.id not in done]
     gen = GenConfig(max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
                     temperature=args.temperature)
@@ -231,6 +310,24 @@ def play(policy, tok, sim, scenarios, args, transcript_path: str, label: str) ->
         bar.update(len(chunk))
     bar.close()
     return [done[s.id] for s in scenarios if s.id in done]
+
+
+def check_eval_args(args):
+    """Flag values a run cannot mean: one line naming the flag (raised before any heavy work)."""
+    from train import InputError
+    for flag, ok in (("--batch-size", args.batch_size >= 1), ("--max-turns", args.max_turns >= 1),
+                     ("--limit", args.limit is None or args.limit >= 1),
+                     ("--max-new-tokens", args.max_new_tokens >= 1),
+                     ("--max-total-tokens", args.max_total_tokens >= 1),
+                     ("--initial-emotion", 0 <= args.initial_emotion <= 100),
+                     ("--temperature", args.temperature >= 0),
+                     ("--simulator-timeout", args.simulator_timeout > 0),
+                     ("--simulator-call-budget", args.simulator_call_budget > 0)):
+        if not ok:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            need = "in [0, 100]" if flag == "--initial-emotion" else ">= 0" if flag == "--temperature" \
+                else "> 0" if flag.startswith("--simulator") else ">= 1"
+            raise InputError(f"{flag} {value}: must be {need}")
 
 
 def main(argv=None):
@@ -257,19 +354,25 @@ def main(argv=None):
     ap.add_argument("--simulator-model", default="")
     ap.add_argument("--simulator-api-key-env", default="OPENAI_API_KEY")
     ap.add_argument("--simulator-temperature", type=float, default=0.7)
-    ap.add_argument("--simulator-timeout", type=float, default=120.0)
+    ap.add_argument("--simulator-timeout", type=float, default=120.0, help="seconds per HTTP request")
+    ap.add_argument("--simulator-call-budget", type=float, default=300.0,
+                    help="seconds one simulator call may take with all its retries")
+    ap.add_argument("--replay-errors", action=argparse.BooleanOptionalAction, default=True,
+                    help="on a rerun, play simulator_error dialogues again")
     ap.add_argument("--output-dir", default="eval")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for noisy in ("httpx", "httpx2"):  # one INFO line per request (openai >= 3 uses httpx2)
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     if not args.model and not args.score:
         ap.error("give at least one --model or --score")
     if args.initial_emotion is None:
         args.initial_emotion = 30 if args.user == "challenging" else 40
 
     from simulator import ScenarioError, Simulator, load_scenarios, make_backend
-    from train import InputError, check_model_arg
+    from train import InputError, check_model_arg, make_output_dir
     try:
+        check_eval_args(args)
         results = {}
         taken = set()
         for path in args.score:  # validate inputs before any heavy work
@@ -283,26 +386,33 @@ def main(argv=None):
                 backend.check()
             for m in args.model:
                 check_model_arg("--model", m)
+            labels = [label_for(m, taken) for m in args.model]
+            make_output_dir("--output-dir", args.output_dir)
+            done = {label: resume_transcripts(os.path.join(args.output_dir, label, "transcripts.jsonl"),
+                                              args.replay_errors) for label in labels}
+        else:
+            make_output_dir("--output-dir", args.output_dir)
     except (ScenarioError, ValueError, ConnectionError, InputError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
 
-    os.makedirs(args.output_dir, exist_ok=True)
+    retries = {}
     if args.model:
         if not hasattr(backend, "appraise"):  # LLM simulators: cache every paid call on disk
             backend = CachedBackend(backend, os.path.join(args.output_dir, "simulator_cache.jsonl"))
-        sim = Simulator(backend, initial_emotion=args.initial_emotion, max_turns=args.max_turns, user=args.user)
-        for m in args.model:
-            label = label_for(m, taken)
+        sim = Simulator(backend, initial_emotion=args.initial_emotion, max_turns=args.max_turns, user=args.user,
+                        call_budget=args.simulator_call_budget)
+        for m, label in zip(args.model, labels):
             os.makedirs(os.path.join(args.output_dir, label), exist_ok=True)
             policy, tok = load_policy(m, args.seed)
             results[label] = play(policy, tok, sim, scenarios, args,
-                                  os.path.join(args.output_dir, label, "transcripts.jsonl"), label)
+                                  os.path.join(args.output_dir, label, "transcripts.jsonl"), label, done[label])
+            retries[label] = sim.take_counts()  # this run's retries for this model
             del policy
         if isinstance(backend, CachedBackend):
             log.info("simulator calls: %d made, %d replayed from cache", backend.misses, backend.hits)
 
-    summaries = {name: summarize(recs) for name, recs in results.items()}
+    summaries = {name: {**summarize(recs), **retries.get(name, {})} for name, recs in results.items()}
     print(format_table(summaries))
     from rollout import GenConfig, sampling_settings
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:

@@ -344,7 +344,10 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
     # Rewards and per-dialogue metrics.
     rows, metrics = [], []
     for i, st in enumerate(states):
-        valid = st.outcome != "simulator_error"
+        # A dialogue with no appraised turn (e.g. the token budget stopped it before the first
+        # reply) has no score: its "final" emotion is only the initial one. Like a
+        # simulator_error it is reported (valid=False) and left out of the loss and the means.
+        valid = st.outcome != "simulator_error" and st.turn > 0
         r = dialogue_reward(st, texts[i], think, cfg.shaping_coef) if valid else float("nan")
         violations = sum(not format_ok(t, think) for t in texts[i])
         metrics.append({"scenario_id": st.scenario.id, "group": groups[i], "dialogue": i,
@@ -402,21 +405,23 @@ def add_logprobs(batch: Batch, policy, ref_model=None, temperature: float = 1.0,
 
 
 def rollout_stats(batch: Batch) -> dict:
-    """Scalar summaries of a rollout's dialogues (for logs)."""
+    """Scalar summaries of a rollout's dialogues (for logs). Means over the valid dialogues;
+    with none, a mean is None (JSON null: "no value"), never 0 (that would read as a reward)."""
     ms = batch.metrics
     ok = [m for m in ms if m["valid"]]
-    n = max(len(ok), 1)
-    lens = [l for m in ok for l in m["response_lengths"]]
-    turns_total = sum(len(m["response_lengths"]) for m in ok) or 1
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    errors = sum(m["outcome"] == "simulator_error" for m in ms)
     return {
-        "reward": sum(m["reward"] for m in ok) / n,
-        "emotion": sum(m["emotion"] for m in ok) / n,
-        "success_rate": sum(m["emotion"] >= 100 for m in ok) / n,
-        "failure_rate": sum(m["emotion"] < 10 for m in ok) / n,
-        "turns": sum(m["turns"] for m in ok) / n,
-        "response_length": sum(lens) / max(len(lens), 1),
-        "format_violation_rate": sum(m["format_violations"] for m in ok) / turns_total,
-        "simulator_errors": len(ms) - len(ok),
+        "reward": mean([m["reward"] for m in ok]),
+        "emotion": mean([m["emotion"] for m in ok]),
+        "success_rate": mean([m["emotion"] >= 100 for m in ok]),
+        "failure_rate": mean([m["emotion"] < 10 for m in ok]),
+        "turns": mean([m["turns"] for m in ok]),
+        "response_length": mean([l for m in ok for l in m["response_lengths"]]),
+        "format_violation_rate": (sum(m["format_violations"] for m in ok) / sum(len(m["response_lengths"]) for m in ok)
+                                  if any(m["response_lengths"] for m in ok) else None),
+        "simulator_errors": errors,
+        "unappraised": len(ms) - len(ok) - errors,  # dialogues with no appraised turn: no score
         "dialogues": len(ms),
     }
 

@@ -32,10 +32,12 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger("simulator")
@@ -142,20 +144,32 @@ def scenario_from_dict(row: dict, where: str = "<dict>") -> Scenario:
     return Scenario(**row)
 
 
+def json_line(line: str, where: str, error=ValueError):
+    """json.loads, with every way a line can be bad (syntax, nesting deeper than Python's
+    recursion limit) reported as `error` naming `where`."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise error(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise error(f"{where}: JSON nested too deeply") from None
+
+
 def load_scenarios(path: str) -> list[Scenario]:
     """Read a JSONL file of scenarios (either schema). Errors name the file and line."""
     if not os.path.isfile(path):
         raise ScenarioError(f"{path}: no such scenario file")
     out, seen = [], {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:  # bytes: a non-UTF-8 line is reported with its line number
+        for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ScenarioError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ScenarioError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+            if not line.strip():
+                continue
+            row = json_line(line, where, ScenarioError)
             sc = scenario_from_dict(row, where)
             if sc.id in seen:
                 raise ScenarioError(f"{where}: duplicate id {sc.id!r} (first at line {seen[sc.id]})")
@@ -418,17 +432,18 @@ _LABELS_REPLY = r"(?:reply|response|回复|回答|说)"
 def _json_object(text: str):
     text = (text or "").strip()
     text = re.sub(r"^```(?:json)?\s*|\s*```$", "", text)
+    # RecursionError: a server can send JSON nested deeper than Python's stack allows.
     try:
         obj = json.loads(text)
         return obj if isinstance(obj, dict) else None
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # ValueError: also ints over 4300 digits
         pass
     m = re.search(r"\{.*\}", text, re.S)  # first { .. last }
     if m:
         try:
             obj = json.loads(m.group(0))
             return obj if isinstance(obj, dict) else None
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # ValueError: also ints over 4300 digits
             return None
     return None
 
@@ -441,7 +456,8 @@ def parse_appraisal(text: str) -> tuple[int, str] | None:
         if isinstance(v, bool):
             return None
         if isinstance(v, (int, float)):
-            return int(round(v)), str(obj.get("analysis", ""))
+            # json.loads accepts NaN and Infinity: no emotion change, so unparseable.
+            return (int(round(v)), str(obj.get("analysis", ""))) if math.isfinite(v) else None
         if isinstance(v, str) and re.fullmatch(r"\s*[+-]?\s*\d+\s*", v):
             return int(v.replace(" ", "")), str(obj.get("analysis", ""))
         return None
@@ -478,7 +494,7 @@ class Simulator:
 
     def __init__(self, backend, initial_emotion: int | None = None, max_turns: int | None = None,
                  max_change: int | None = None, parse_retries: int = 3, concurrency: int = 64,
-                 user: str = "standard"):
+                 user: str = "standard", call_budget: float | None = None):
         if user not in USERS:
             raise ValueError(f"unknown simulated user {user!r} ({' | '.join(USERS)})")
         self.backend, self.user = backend, user
@@ -488,24 +504,54 @@ class Simulator:
         self.max_change = max_change if max_change is not None else USERS[user]["max_change"]
         self.parse_retries = parse_retries
         self.concurrency = concurrency
+        # Seconds one simulator call (an appraisal, a reply or an opening line) may take in all:
+        # every try and every transport retry together. None = no limit. Backends that take a
+        # `deadline` (OpenAIBackend) cut each request's timeout and backoff to what is left.
+        self.call_budget = call_budget
+        self.counts = {"parse_retries": 0, "transport_retries": 0}  # see take_counts()
+        self._lock = threading.Lock()
+
+    def take_counts(self) -> dict:
+        """Retries since the last call (parse retries here; transport retries from the backend),
+        then reset to 0: train.py reads them once per step, evaluate.py once per model."""
+        with self._lock:
+            out, self.counts = dict(self.counts), {k: 0 for k in self.counts}
+        take = getattr(self.backend, "take_retries", None)
+        out["transport_retries"] += take() if take else 0
+        return out
 
     # ---- LLM calls with retry on unparseable output (transport retries live in the backend)
     def _ask(self, messages, parser):
         last = None
+        deadline = time.monotonic() + self.call_budget if self.call_budget else None
+        takes_deadline = getattr(self.backend, "takes_deadline", False)
         for attempt in range(self.parse_retries):
+            if deadline is not None and time.monotonic() >= deadline:
+                last = f"no answer within the call budget of {self.call_budget:g} s ({last})"
+                break
+            if attempt:
+                with self._lock:
+                    self.counts["parse_retries"] += 1
+            # Anything the network sends back is either parsed or counted as a failed try:
+            # the backend's errors and the parser's (which should not raise, but a server can
+            # send anything) are caught alike, so nothing from the network escapes step().
             try:
-                text = self.backend.chat(messages)
+                text = (self.backend.chat(messages, deadline=deadline) if takes_deadline
+                        else self.backend.chat(messages))
+                out = parser(text) if isinstance(text, str) else None
             except Exception as e:  # the backend already retried 429/5xx/timeouts
                 last = f"{type(e).__name__}: {e}"
-                log.warning("simulator backend error (try %d/%d): %s", attempt + 1,
+                log.warning("simulator backend error (try %d/%d): %.300s", attempt + 1,
                             self.parse_retries, last)
                 continue
-            out = parser(text)
             if out is not None:
+                keep = getattr(self.backend, "keep", None)  # evaluate.CachedBackend: store parsed answers only
+                if keep is not None:
+                    keep(messages, text)
                 return out
             last = f"unparseable output: {text!r:.200}"
-            log.warning("simulator output unparseable (try %d/%d): %r", attempt + 1,
-                        self.parse_retries, (text or "")[:200])
+            log.warning("simulator output unparseable (try %d/%d): %.200r", attempt + 1,
+                        self.parse_retries, text)
         raise SimulatorError(last or "no attempts")
 
     def _appraise(self, state, reply):
@@ -598,11 +644,17 @@ class Simulator:
 class OpenAIBackend:
     """Any OpenAI-compatible chat-completions server (DeepSeek-V3, `vllm serve`, ...).
 
-    Transport faults (429, 5xx, timeouts, connection errors) are retried with exponential
-    backoff by the official client itself (`max_retries`, per-request `timeout`); we only
-    configure it. The API key is read from an environment variable and never printed."""
+    Transport faults (429, 408/409, 5xx, timeouts, connection errors) are retried here with
+    exponential backoff (or the server's retry-after), at most `max_retries` times. The
+    official client can retry by itself, but its per-request timeout applies afresh to each of
+    its retries, so a dead server could hold one call for (1 + max_retries) x timeout plus
+    backoff, and its retries are invisible to us. Retrying in this small loop (the client set
+    to max_retries=0) lets each request's timeout and each backoff be cut to the caller's
+    deadline, and lets us count the retries (`take_retries`). The API key is read from an
+    environment variable and never printed."""
 
     parallel = True
+    takes_deadline = True  # chat(messages, deadline=...): see Simulator.call_budget
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
                  temperature: float = 0.7, timeout: float = 60.0, max_retries: int = 4,
@@ -611,33 +663,77 @@ class OpenAIBackend:
         self._openai = openai
         self.base_url, self.model, self.temperature = base_url, model, temperature
         self.json_mode, self.max_tokens = json_mode, max_tokens
+        self.timeout, self.max_retries = timeout, max_retries
+        self.retries, self._lock = 0, threading.Lock()
         # Local servers (vllm) accept any key; hosted ones fail with a clear 401.
         self.client = openai.OpenAI(base_url=base_url, api_key=os.environ.get(api_key_env) or "EMPTY",
-                                    timeout=timeout, max_retries=max_retries)
+                                    timeout=timeout, max_retries=0)
 
     def __repr__(self):  # never show the key
         return f"OpenAIBackend(base_url={self.base_url!r}, model={self.model!r})"
 
-    def chat(self, messages: list[dict]) -> str:
+    def take_retries(self) -> int:
+        """Transport retries since the last call (then reset to 0)."""
+        with self._lock:
+            n, self.retries = self.retries, 0
+        return n
+
+    def _retry_wait(self, err, k: int) -> float | None:
+        """Seconds to wait before retry k (0-based) after `err`, or None if `err` is final."""
+        if isinstance(err, self._openai.APIConnectionError):  # includes timeouts
+            hint = None
+        elif isinstance(err, self._openai.APIStatusError) and (err.status_code in (408, 409, 429)
+                                                                 or err.status_code >= 500):
+            h = err.response.headers
+            try:  # the server's own hint, as the official client reads it
+                hint = (float(h["retry-after-ms"]) / 1000 if "retry-after-ms" in h
+                        else float(h["retry-after"]) if "retry-after" in h else None)
+            except ValueError:
+                hint = None
+        else:
+            return None
+        if hint is not None and 0 <= hint <= 60:
+            return hint
+        return min(0.5 * 2 ** k, 8.0) * (1 - 0.25 * random.random())
+
+    def chat(self, messages: list[dict], deadline: float | None = None) -> str:
+        """One answer's text. `deadline` (time.monotonic()): no request or backoff runs past it."""
         kw = dict(model=self.model, messages=messages, temperature=self.temperature,
                   max_tokens=self.max_tokens)
         if self.json_mode:
             kw["response_format"] = {"type": "json_object"}
-        try:
-            # client.post is the client's documented raw-request path: same retries, backoff and
-            # timeout as .chat.completions.create, without the typed request/response layers,
-            # which cost about half of the client's CPU time per call (it adds up at 64 calls).
-            r = self.client.post("/chat/completions", body=kw, cast_to=object)
-        except self._openai.BadRequestError:
-            if not self.json_mode:
-                raise
-            log.warning("server rejected JSON mode; continuing without it")
-            self.json_mode = False
-            return self.chat(messages)
+        for k in range(self.max_retries + 1):
+            left = self.timeout if deadline is None else min(self.timeout, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError("call budget spent")
+            try:
+                # client.post is the client's documented raw-request path, without the typed
+                # request/response layers, which cost about half of the client's CPU time per
+                # call (it adds up at 64 calls).
+                r = self.client.post("/chat/completions", body=kw, cast_to=object,
+                                     options={"timeout": left})
+                break
+            except self._openai.BadRequestError:
+                if not self.json_mode:
+                    raise
+                log.warning("server rejected JSON mode; continuing without it")
+                self.json_mode = False
+                return self.chat(messages, deadline)
+            except self._openai.APIError as e:
+                wait = self._retry_wait(e, k)
+                if wait is None or k == self.max_retries:
+                    raise
+                if deadline is not None and time.monotonic() + wait >= deadline:
+                    raise  # no time left for another request
+                with self._lock:
+                    self.retries += 1
+                time.sleep(wait)
         try:
             content = r["choices"][0]["message"]["content"]
         except (TypeError, KeyError, IndexError):
             raise ValueError(f"malformed chat-completions response: {str(r)[:200]}") from None
+        if content is not None and not isinstance(content, str):  # a list, a number, ...
+            raise ValueError(f"chat-completions content is a {type(content).__name__}, not text")
         # DeepSeek's JSON mode can return blank content: that is a parse failure -> retried.
         return content or ""
 

@@ -55,7 +55,9 @@ class Config:
     simulator_model: str = ""
     simulator_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "env var holding the key"})
     simulator_temperature: float = 0.7
-    simulator_timeout: float = 120.0
+    simulator_timeout: float = field(default=120.0, metadata={"help": "seconds per HTTP request"})
+    simulator_call_budget: float = field(default=300.0, metadata={
+        "help": "seconds one simulator call may take with all its retries; then the dialogue ends as simulator_error"})
     simulator_concurrency: int = 64
     user: str = field(default="standard", metadata={
         "help": "simulated user: standard (SAGE) | challenging (paper Table 3: never reveals its goal, "
@@ -185,6 +187,34 @@ def check_model_arg(flag: str, value: str):
     if local and not os.path.isfile(os.path.join(os.path.expanduser(value), "config.json")):
         raise InputError(f"{flag} {value}: no model there (expected a directory with config.json, "
                          f"a hub id like Qwen/Qwen2.5-7B-Instruct, or 'tiny')")
+    if local:
+        config = os.path.join(os.path.expanduser(value), "config.json")
+        try:
+            from transformers import AutoConfig  # reads config.json only: cheap
+            AutoConfig.from_pretrained(os.path.expanduser(value))
+        except Exception as e:  # broken JSON, unknown model_type, ...: one line, not a traceback
+            raise InputError(f"{flag} {value}: cannot read {config}: {str(e).splitlines()[0][:200]}") from None
+        return
+    check_hub_id(flag, value)
+
+
+def check_hub_id(flag: str, repo: str):
+    """A hub id must be in the local cache or on the hub. transformers would find out only at
+    load time, after about a minute of retries when offline; one request tells us now."""
+    import huggingface_hub as hub
+    if isinstance(hub.try_to_load_from_cache(repo, "config.json"), str):
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        raise InputError(f"{flag} {repo}: not in the local Hugging Face cache, and HF_HUB_OFFLINE is set")
+    try:
+        found = hub.file_exists(repo, "config.json")  # one request, no retries
+    except Exception as e:
+        if "connect" in type(e).__name__.lower() or isinstance(e, OSError):
+            raise InputError(f"{flag} {repo}: not in the local Hugging Face cache and the hub is "
+                             f"unreachable ({type(e).__name__})") from None
+        return  # e.g. a gated repository: let the loader report it with its own message
+    if not found:
+        raise InputError(f"{flag} {repo}: no such model on the Hugging Face hub (no config.json)")
 
 
 def validate(cfg: Config):
@@ -196,7 +226,8 @@ def validate(cfg: Config):
         scenarios = load_scenarios(cfg.scenarios)
     except ScenarioError as e:
         raise InputError(f"--scenarios: {e}") from None
-    for name in ("steps", "batch_size", "group_size", "max_turns", "max_new_tokens", "micro_batch_size", "minibatch_size"):
+    for name in ("steps", "batch_size", "group_size", "max_turns", "max_new_tokens", "micro_batch_size", "minibatch_size",
+                 "save_every", "keep_last", "epochs", "max_total_tokens", "simulator_concurrency"):
         if getattr(cfg, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
     if not cfg.temperature > 0:  # T = 0 divides the logits by 0: NaN loss, NaN weights
@@ -205,6 +236,7 @@ def validate(cfg: Config):
     for name in ("actor_warmup_ratio", "critic_warmup_ratio"):
         if not 0 <= getattr(cfg, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be in [0, 1)")
+    validate_more(cfg)
     if cfg.algo == "grpo" and cfg.group_size < 2:
         raise InputError("--group-size must be >= 2 for GRPO (a group of one has no baseline)")
     if cfg.simulator == "openai" and not (cfg.simulator_base_url and cfg.simulator_model):
@@ -212,6 +244,113 @@ def validate(cfg: Config):
     if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.resume):
         raise InputError(f"--resume {cfg.resume}: no such checkpoint directory")
     return scenarios
+
+
+def validate_more(cfg: Config):
+    """Flags the loop would accept silently or fail on late (issue 14): one line, exit 2."""
+    if not 0 <= cfg.initial_emotion <= 100:
+        raise InputError(f"--initial-emotion {cfg.initial_emotion}: must be in [0, 100]")
+    for name in ("simulator_timeout", "simulator_call_budget"):
+        if not getattr(cfg, name) > 0:  # also NaN
+            raise InputError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be > 0")
+    if cfg.resume and cfg.resume != "auto" and os.path.isdir(cfg.resume):
+        state = os.path.join(cfg.resume, "trainer_state.json")
+        try:
+            step = json.load(open(state))["step"]
+            assert isinstance(step, int)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError):
+            raise InputError(f"--resume {cfg.resume}: not a checkpoint of train.py "
+                             f"(no readable trainer_state.json with a step)") from None
+
+
+def make_output_dir(flag: str, path: str):
+    """Create `path` and check that a file can be written there: InputError otherwise."""
+    import tempfile
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise InputError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def lock_output_dir(path: str):
+    """One run per output directory: two runs would interleave their metrics and overwrite each
+    other's checkpoints. An exclusive lock (flock) on `.lock` in the directory, held until the
+    process exits (the kernel drops it on a crash or SIGKILL too, so nothing stale is left).
+    Each process of a multi-process launch locks its own file (`.lock-RANK`): a second launch
+    clashes with the first on every rank, and all its processes stop. Returns the open file
+    (keep it referenced); InputError naming the directory and the holder's pid if locked."""
+    import fcntl
+    rank = os.environ.get("RANK", "0")
+    f = open(os.path.join(path, ".lock" if rank == "0" else f".lock-{rank}"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "unknown"
+        f.close()
+        raise InputError(f"--output-dir {path}: in use by another run (pid {pid})") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def truncate_logs(output_dir: str, step: int):
+    """Keep only the rows of metrics.jsonl and samples.jsonl for steps < `step`: a resumed run
+    redoes the later steps (step 0: a fresh run starts both empty). A row that does not parse,
+    i.e. the last line cut by a kill, is dropped. Written to a temporary file and renamed, so a
+    kill during this rewrite leaves the old file or the new one, never half of one."""
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = os.path.join(output_dir, name)
+        if not os.path.exists(path):
+            continue
+        keep = []
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+                    keep.append(line.rstrip(b"\n") + b"\n")
+        with open(path + ".tmp", "wb") as f:
+            f.writelines(keep)
+        os.replace(path + ".tmp", path)
+
+
+def reduce_stats(accelerator, stats: dict, summed) -> dict:
+    """Per-process numbers -> one row over all processes. Where `summed(key)`, the total
+    (counts; a loss, since each process's loss is its share of the global loss: its sum / the
+    global count); else the mean over the processes that have a value (None: no value there;
+    it stays None when no process has one). Gradient norms are already global (clipping sees the
+    synchronised gradients), so their mean is that value."""
+    if accelerator.num_processes == 1:
+        return stats
+    import torch
+    keys = sorted(stats)
+    t = torch.tensor([[float(stats[k] or 0.0), float(stats[k] is not None)] for k in keys],
+                     dtype=torch.float64, device=accelerator.device)
+    t = accelerator.reduce(t, reduction="sum").tolist()
+    return {k: ((int(v) if isinstance(stats[k], int) else v) if summed(k) else v / n if n else None)
+            for k, (v, n) in zip(keys, t)}
+
+
+def strict_json(obj) -> str:
+    """One JSONL row that any JSON parser reads: NaN and +-Infinity become null."""
+    import math
+    clean = lambda v: (None if isinstance(v, float) and not math.isfinite(v)  # noqa: E731
+                       else {k: clean(x) for k, x in v.items()} if isinstance(v, dict)
+                       else [clean(x) for x in v] if isinstance(v, list) else v)
+    return json.dumps(clean(obj), ensure_ascii=False, allow_nan=False)
+
+
+def empty_step(step: int, roll: dict) -> dict:
+    """A step with no row to train on (every dialogue failed or none was appraised): no update
+    (log-probs of zero rows do not exist), a warning, and `update_skipped` = 1 in metrics.jsonl."""
+    log.warning("step %d: no dialogue to learn from (%d simulator errors, %d never appraised); update skipped",
+                step, roll["simulator_errors"], roll["unappraised"])
+    return {"update_skipped": 1}
 
 
 def pick_attn_implementation() -> str:
@@ -346,20 +485,6 @@ def gather_rollout_stats(accelerator, batch) -> dict:
     return rollout_stats(dataclasses.replace(batch, metrics=light))
 
 
-def reduce_update_stats(accelerator, upd: dict) -> dict:
-    """Update statistics over processes: each process's loss is its share of the global loss
-    (its loss sum / the global count), so losses are SUMMED; gradient norms are already global
-    (clipping sees the synchronised gradients) and the other statistics are averaged."""
-    if accelerator.num_processes == 1 or not upd:
-        return upd
-    import torch
-    keys = sorted(upd)
-    v = torch.tensor([float(upd[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    loss = torch.tensor([k.endswith("_loss") for k in keys], device=accelerator.device)
-    v = torch.where(loss, v, v / accelerator.num_processes)
-    return dict(zip(keys, accelerator.reduce(v, reduction="sum").tolist()))
-
-
 def step_scenarios(scenarios, step, batch_size, seed, rank, world):
     """The scenarios of one step, derived from (seed, step) alone, so a resumed run sees the
     same sequence. Epoch-wise shuffles without replacement; each process takes its slice."""
@@ -424,7 +549,8 @@ def plot_curve(metrics_path, png_path, title):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [json.loads(l) for l in open(metrics_path) if l.strip()]
+    # A step with no valid dialogue has reward null: it is not plotted (not drawn as 0).
+    rows = [r for r in (json.loads(l) for l in open(metrics_path) if l.strip()) if r.get("reward") is not None]
     if not rows:
         return
     steps = [r["step"] for r in rows]
@@ -464,6 +590,8 @@ def train(cfg: Config) -> dict:
             backend.check()
         except ConnectionError as e:
             raise InputError(str(e)) from None
+    make_output_dir("--output-dir", cfg.output_dir)
+    lock = lock_output_dir(cfg.output_dir)  # held until the end of train() (or of the process)
 
     import torch
     from accelerate import Accelerator
@@ -471,10 +599,9 @@ def train(cfg: Config) -> dict:
     from tqdm.auto import tqdm
     from grpo import grpo_update
     from ppo import needs_old_logprobs, ppo_update
-    from rollout import GenConfig, add_logprobs, rollout
+    from rollout import GenConfig, add_logprobs, rollout, rollout_stats
 
     mp = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
-    os.makedirs(cfg.output_dir, exist_ok=True)
     accelerator = Accelerator(mixed_precision=mp, log_with=trackers(cfg), project_dir=cfg.output_dir)
     set_seed(cfg.seed, device_specific=True)
     check_launch(accelerator)
@@ -523,14 +650,12 @@ def train(cfg: Config) -> dict:
         start = json.load(open(os.path.join(resume, "trainer_state.json")))["step"]
         if accelerator.is_main_process:
             log.info("resumed from %s at step %d", resume, start)
-    if accelerator.is_main_process:  # drop metrics of steps after the checkpoint (re-done now)
-        old = [l for l in open(metrics_path)] if os.path.exists(metrics_path) and resume else []
-        with open(metrics_path, "w") as f:
-            f.writelines(l for l in old if l.strip() and json.loads(l)["step"] < start)
+    if accelerator.is_main_process:  # drop log rows of steps after the checkpoint (re-done now)
+        truncate_logs(cfg.output_dir, start)
     accelerator.init_trackers("rlver", config={k: v for k, v in dataclasses.asdict(cfg).items()})
 
     sim = Simulator(backend, initial_emotion=cfg.initial_emotion, max_turns=cfg.max_turns,
-                    concurrency=cfg.simulator_concurrency, user=cfg.user)
+                    concurrency=cfg.simulator_concurrency, user=cfg.user, call_budget=cfg.simulator_call_budget)
     gen_cfg = GenConfig(max_new_tokens=cfg.max_new_tokens, max_total_tokens=cfg.max_total_tokens,
                         temperature=cfg.temperature, per_turn_samples=cfg.per_turn_samples,
                         drop_thoughts=cfg.drop_thoughts, shaping_coef=cfg.shaping_coef,
@@ -575,35 +700,39 @@ def train(cfg: Config) -> dict:
         # seen (several epochs or minibatches) or for PPO's KL-in-reward; else ratio = 1 exactly
         # and the update uses the detached current log-probs (one forward pass fewer).
         need_old = needs_old_logprobs(len(batch), algo_cfg) or (cfg.algo == "ppo" and ref is not None)
-        if need_old or ref is not None:
+        if (need_old or ref is not None) and len(batch):
             batch = add_logprobs(batch, policy, ref, cfg.temperature, cfg.micro_batch_size, old=need_old)
         policy.train()
-        if cfg.algo == "ppo":
+        if not len(batch):  # (after padding: no process has a row)
+            upd = empty_step(step, rollout_stats(batch))
+        elif cfg.algo == "ppo":
             critic.train()
             upd = ppo_update(policy, critic, (actor_opt, critic_opt), batch, algo_cfg, accelerator, gen)
             critic_sched.step()
         else:
             upd = grpo_update(policy, actor_opt, batch, algo_cfg, accelerator, gen)
-        actor_sched.step()
+        if len(batch):
+            actor_sched.step()
         dt = time.time() - t0
 
         roll = gather_rollout_stats(accelerator, batch)  # over all processes' dialogues
-        upd = reduce_update_stats(accelerator, upd)
+        roll.update(reduce_stats(accelerator, sim.take_counts(), summed=lambda k: True))  # retries
+        upd = reduce_stats(accelerator, upd, summed=lambda k: k.endswith("_loss"))
         n_tok = accelerator.reduce(batch.attention_mask.sum().to(accelerator.device), reduction="sum").item()
-        row = {"step": step, **roll, **upd, "step_time": dt, "rollout_time": t_roll,
+        row = {"step": step, **roll, "update_skipped": 0, **upd, "step_time": dt, "rollout_time": t_roll,
                "tokens_per_s": n_tok / dt, "lr": actor_sched.get_last_lr()[0],
                **({"critic_lr": critic_sched.get_last_lr()[0]} if critic is not None else {})}
         if accelerator.is_main_process:
             with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(strict_json(row) + "\n")
             if batch.metrics:  # one readable sample dialogue per step
                 m = batch.metrics[0]
                 with open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") as f:
-                    f.write(json.dumps({"step": step, "scenario": m["scenario_id"], "reward": m["reward"],
-                                        "emotion_trace": m["emotion_trace"], "history": m["history"]},
-                                       ensure_ascii=False) + "\n")
-        accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
-        bar.set_postfix(reward=f"{roll['reward']:.3f}", turns=f"{roll['turns']:.1f}", s=f"{dt:.1f}")
+                    f.write(strict_json({"step": step, "scenario": m["scenario_id"], "reward": m["reward"],
+                                         "emotion_trace": m["emotion_trace"], "history": m["history"]}) + "\n")
+        accelerator.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=step)
+        show = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731  (None: no valid dialogue)
+        bar.set_postfix(reward=show(roll["reward"], ".3f"), turns=show(roll["turns"], ".1f"), s=f"{dt:.1f}")
         last = row
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             save_checkpoint(accelerator, cfg, step + 1)
@@ -613,12 +742,13 @@ def train(cfg: Config) -> dict:
         plot_curve(metrics_path, os.path.join(cfg.output_dir, "reward_curve.png"),
                    f"RLVER {cfg.algo.upper()} ({cfg.preset} preset)")
     accelerator.end_training()
+    lock.close()
     return last
 
 
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("httpx", "accelerate", "matplotlib"):  # per-request / per-file lines drown the log
+    for noisy in ("httpx", "httpx2", "accelerate", "matplotlib"):  # openai >= 3 logs requests as httpx2  # per-request / per-file lines drown the log
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # accelerate warns that tied embeddings (lm_head = embed_tokens) are saved once: expected.
     logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)

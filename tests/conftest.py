@@ -7,3 +7,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The official SAGE/RLVER scenario files are not in the repo; they sit in shared/ beside the
 # checkout when available (RLVER_DATA overrides).
 OFFICIAL_DATA = os.environ.get("RLVER_DATA", os.path.join(ROOT, "..", "shared", "data", "rlver"))
+
+
+def bad_json_files(tmp_path) -> dict:
+    """Scenario files a new user might pass by mistake: "LATIN1" (a valid first line, then a
+    line that is not UTF-8) and "DEEP" (a JSON line nested 200k levels deep)."""
+    latin1, deep = tmp_path / "latin1.jsonl", tmp_path / "deep.jsonl"
+    latin1.write_bytes(open(os.path.join(ROOT, "data", "scenarios_test.jsonl"), "rb").readline()
+                       + '{"id": "caf\u00e9"}\n'.encode("latin-1"))
+    deep.write_text("[" * 200_000 + "]" * 200_000 + "\n")
+    return {"LATIN1": latin1, "DEEP": deep}

@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 
 import pytest
@@ -16,6 +17,9 @@ HAND_MADE = [
     {"scenario_id": "d", "emotion": 60, "outcome": "goodbye", "turns": 5, "emotion_trace": [40, 60], "reply_lengths": [50] * 5},
     {"scenario_id": "e", "emotion": 40, "outcome": "simulator_error", "turns": 0, "valid": False, "emotion_trace": [40],
      "reply_lengths": []},
+    # Never appraised (the token budget stopped it before the first turn): no score, not an error.
+    {"scenario_id": "f", "emotion": 40, "outcome": "max_tokens", "turns": 0, "valid": False, "emotion_trace": [40],
+     "reply_lengths": []},
 ]
 
 
@@ -23,9 +27,9 @@ def test_metrics_of_hand_made_transcripts_exact(tmp_path):
     p = tmp_path / "t.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in HAND_MADE))
     s = summarize(load_transcripts(str(p)))
-    assert s == {"dialogues": 5, "scored": 4, "sentient_score": (100 + 5 + 50 + 60) / 4, "success_rate": 0.25,
+    assert s == {"dialogues": 6, "scored": 4, "sentient_score": (100 + 5 + 50 + 60) / 4, "success_rate": 0.25,
                  "failure_rate": 0.25, "mean_turns": (3 + 2 + 10 + 5) / 4,
-                 "mean_reply_length": (60 + 10 + 100 + 250) / 20, "simulator_errors": 1}
+                 "mean_reply_length": (60 + 10 + 100 + 250) / 20, "simulator_errors": 1, "unscored": 1}
 
 
 def test_other_systems_format_and_json_list(tmp_path):
@@ -83,11 +87,11 @@ def test_interrupted_evaluation_resumes_without_repaying_calls(tmp_path):
     # Interrupt the same evaluation in the middle of the second dialogue.
     calls = {"n": 0}
     orig = CachedBackend.chat
-    def crashing(self, messages):
+    def crashing(self, messages, **kw):
         calls["n"] += 1
         if calls["n"] == 8:
             raise KeyboardInterrupt
-        return orig(self, messages)
+        return orig(self, messages, **kw)
     with FakeOpenAIServer() as srv:
         CachedBackend.chat = crashing
         try:
@@ -148,3 +152,124 @@ def test_evaluation_ignores_the_checkpoints_generation_config(tmp_path, monkeypa
     assert sampling == {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0, "typical_p": 1.0,
                         "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0,
                         "no_repeat_ngram_size": 0, "num_beams": 1}
+
+
+# ---------------------------------------------------------------- issue 14: faults, reruns, bad input
+from conftest import bad_json_files  # noqa: E402
+from fake_openai import varied_user  # noqa: E402
+
+SMALL = ["--model", "tiny", "--max-new-tokens", "8", "--max-turns", "2", "--batch-size", "4"]
+OPENAI = ["--simulator", "openai", "--simulator-model", "fake", "--simulator-timeout", "5"]
+
+
+def transcript(d, label="tiny"):
+    return [(r["scenario_id"], r["outcome"], r["emotion_trace"]) for r in
+            load_transcripts(os.path.join(d, label, "transcripts.jsonl"))]
+
+
+def test_fault_rate_evaluation_scores_exactly_as_fault_free_and_counts_retries(tmp_path, caplog):
+    """Items 1, 2, 9: 40% of the simulator's answers are faults of every kind (500, 429,
+    unparseable, blank, NaN/Infinity change, list/number content). The cache used to store each
+    answer before it was parsed, so a retry replayed the same bad answer and the dialogue was
+    lost (and NaN crashed the run). Now the scores equal a fault-free run's exactly, each fault
+    is one counted retry, a rerun pays nothing, and no per-request HTTP line is logged."""
+    caplog.set_level(logging.INFO)
+    args = SMALL + ["--limit", "4"] + OPENAI
+    with FakeOpenAIServer(responder=varied_user) as srv:
+        assert main(args + ["--simulator-base-url", srv.base_url, "--output-dir", str(tmp_path / "clean")]) == 0
+    with FakeOpenAIServer(responder=varied_user, fault_rate=0.4) as srv:
+        out = str(tmp_path / "faulty")
+        assert main(args + ["--simulator-base-url", srv.base_url, "--output-dir", out]) == 0
+        n = len(srv.requests)
+        assert main(args + ["--simulator-base-url", srv.base_url, "--output-dir", out]) == 0
+        assert len(srv.requests) == n  # the rerun replays every paid call from the cache
+    assert transcript(out) == transcript(tmp_path / "clean")
+    assert all(o != "simulator_error" for _, o, _ in transcript(out))
+    kinds = [r["fault"] for r in srv.requests]
+    first = json.load(open(os.path.join(out, "summary.json")))  # (the rerun's summary: 0 retries)
+    assert first["results"]["tiny"]["parse_retries"] == 0
+    faulty_log = [r.getMessage() for r in caplog.records if r.name == "simulator"]
+    assert sum("unparseable" in m or "backend error" in m for m in faulty_log) == sum(
+        k not in ("ok", "500", "429") for k in kinds) > 0
+    assert not [r for r in caplog.records if r.name.startswith("httpx")]  # item 9: httpx2 silenced
+
+
+def test_retry_counts_reach_the_summary(tmp_path):
+    """Item 9: per-model transport and parse retries in summary.json."""
+    with FakeOpenAIServer(faults=["500", "garbage", "429", "429", "blank"]) as srv:
+        assert main(SMALL + ["--limit", "1", "--batch-size", "1"] + OPENAI +
+                    ["--simulator-base-url", srv.base_url, "--output-dir", str(tmp_path)]) == 0
+    s = json.load(open(tmp_path / "summary.json"))["results"]["tiny"]
+    assert (s["transport_retries"], s["parse_retries"], s["simulator_errors"]) == (3, 2, 0)
+
+
+def test_never_appraised_dialogues_are_not_scored(tmp_path, capsys):
+    """Item 5: a token budget too small for one turn: no dialogue is appraised; it used to be
+    scored with its initial emotion (Sentient 40.0)."""
+    assert main(["--model", "tiny", "--limit", "2", "--max-total-tokens", "20", "--output-dir", str(tmp_path)]) == 0
+    s = json.load(open(tmp_path / "summary.json"))["results"]["tiny"]
+    assert (s["scored"], s["unscored"], s["simulator_errors"], s["sentient_score"]) == (0, 2, 0, None)
+    row = [l for l in capsys.readouterr().out.splitlines() if l.startswith("tiny")][0].split()
+    assert row[1:3] == ["0", "-"]
+
+
+def test_rerun_replays_simulator_errors_once_the_simulator_is_back(tmp_path):
+    """Item 6: a simulator_error dialogue is replayed on a rerun (the transcript keeps one line
+    per scenario); --no-replay-errors keeps the old behaviour."""
+    args = SMALL + ["--limit", "2"] + OPENAI
+    down = dict(fault_rate=1.0, fault_kinds=("garbage",), max_faults_in_a_row=10 ** 9)
+    for d, replay in (("a", []), ("b", ["--no-replay-errors"])):
+        out = ["--output-dir", str(tmp_path / d)]
+        with FakeOpenAIServer(**down) as srv:
+            assert main(args + ["--simulator-base-url", srv.base_url] + out) == 0
+        assert [o for _, o, _ in transcript(tmp_path / d)] == ["simulator_error"] * 2
+        with FakeOpenAIServer() as srv:
+            assert main(args + ["--simulator-base-url", srv.base_url] + out + replay) == 0
+        t = transcript(tmp_path / d)
+        assert len(t) == 2
+        assert all((o == "simulator_error") == bool(replay) for _, o, _ in t), t
+
+
+def test_a_torn_transcript_line_is_dropped_and_its_dialogue_replayed(tmp_path):
+    """Item 6: a kill in the middle of writing a transcript line used to stop every rerun with
+    a traceback."""
+    args = SMALL + ["--limit", "3", "--output-dir", str(tmp_path)]
+    assert main(args) == 0
+    path = tmp_path / "tiny" / "transcripts.jsonl"
+    whole = path.read_bytes()
+    path.write_bytes(whole[:len(whole) - len(whole.splitlines()[-1]) // 2 - 1])  # half the last line
+    assert main(args) == 0
+    assert path.read_bytes() == whole
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
+    (["--limit", "-1"], "--limit -1: must be >= 1"),
+    (["--max-turns", "0"], "--max-turns 0: must be >= 1"),
+    (["--initial-emotion", "500"], "--initial-emotion 500: must be in [0, 100]"),
+    (["--scenarios", "LATIN1"], "latin1.jsonl:2: not UTF-8"),
+    (["--scenarios", "DEEP"], "deep.jsonl:1: JSON nested too deeply"),
+])
+def test_bad_flags_are_one_line_errors(flags, msg, tmp_path, capsys):
+    """Item 10: each used to be a traceback (after the model loaded) or accepted silently."""
+    bad = bad_json_files(tmp_path)
+    flags = [str(bad.get(f, f)) for f in flags]
+    assert main(["--model", "tiny", "--output-dir", str(tmp_path / "out")] + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out" / "tiny").exists()
+
+
+@pytest.mark.parametrize("line,msg", [
+    ("5", "expected a JSON object"), ('["emotion"]', "expected a JSON object"),
+    ('{"history": 5, "emotion": 3}', "must be a list"), ('{"turns": "x", "emotion": 3}', "'turns' must be"),
+    ('{"emotion": NaN}', "not in [0, 100]"), ('{"emotion": 1000}', "not in [0, 100]"),
+    ('{"emotion": -50}', "not in [0, 100]"), ("DEEP", "nested too deeply"),
+])
+def test_bad_score_files_are_one_line_errors(line, msg, tmp_path, capsys):
+    """Item 10: `--score` lines that used to raise a traceback or be scored (Sentient 475.0)."""
+    p = tmp_path / "s.jsonl"
+    p.write_text('{"emotion": 50}\n' + ("[" * 200_000 if line == "DEEP" else line) + "\n")
+    assert main(["--score", str(p), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"s.jsonl:2: " in err and msg in err and len(err.splitlines()) == 1, err

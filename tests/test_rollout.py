@@ -339,3 +339,15 @@ def test_greedy_turn_is_argmax_of_raw_logits_despite_model_defaults():
     for k, (scores, logits) in enumerate(zip(out.scores, out.logits)):
         assert torch.equal(scores, logits)
         assert new[k] == logits[0].argmax()
+
+
+def test_never_appraised_dialogues_are_not_scored(tiny):
+    """Issue 14 item 5: a token budget too small for one turn stops every dialogue before its
+    first appraisal. Its 'final emotion' is only the initial one: it used to be logged as
+    reward 0.40 here. Now it has no score: not valid, counted apart, out of the means."""
+    _, tok = tiny
+    b = rollout(ScriptedPolicy(tok, ["ok"]), tok, sim(), SC[:2], group_size=2, think=False,
+                gen_cfg=GenConfig(max_new_tokens=8, max_total_tokens=20), compute_logprobs=False)
+    assert len(b) == 0 and [(m["valid"], m["turns"], m["outcome"]) for m in b.metrics] == [(False, 0, "max_tokens")] * 4
+    s = rollout_stats(b)
+    assert (s["reward"], s["emotion"], s["unappraised"], s["simulator_errors"], s["dialogues"]) == (None, None, 4, 0, 4)

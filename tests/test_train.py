@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, bad_json_files
 from train import Config, InputError, main, parse_args, train, validate
 
 TINY = ["--steps", "6", "--batch-size", "2", "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "8",
@@ -45,12 +45,29 @@ def test_unknown_flag_is_a_one_line_error(capsys):
     (["--temperature", "0"], "--temperature 0.0: training samples with a temperature > 0"),
     (["--temperature", "-1"], "--temperature -1.0: training samples with a temperature > 0"),
     (["--actor-warmup-ratio", "1.5"], "--actor-warmup-ratio must be in [0, 1)"),
-])
-def test_bad_input_fails_fast_with_one_line(flags, msg, tmp_path, capsys):
+    # issue 14 item 10: these were tracebacks (some after a full step) or accepted silently
+    (["--scenarios", "LATIN1"], "latin1.jsonl:2: not UTF-8"),
+    (["--scenarios", "DEEP"], "deep.jsonl:1: JSON nested too deeply"),
+    (["--save-every", "0"], "--save-every must be >= 1"),
+    (["--model", "BROKEN"], "config.json"),
+    (["--resume", "NOTCKPT"], "not a checkpoint of train.py"),
+    (["--output-dir", "UNDERFILE"], "cannot write there"),
+    (["--initial-emotion", "500"], "--initial-emotion 500: must be in [0, 100]"),
+    (["--model", "OFFLINE"], "not in the local Hugging Face cache"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_input_fails_fast_with_one_line(flags, msg, tmp_path, capsys, monkeypatch):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    flags = [str(empty) if f == "EMPTY" else f for f in flags]
-    rc = main(flags + ["--output-dir", str(tmp_path / "out"), "--report-to", "none"])
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "qwen2", ')
+    (tmp_path / "notckpt").mkdir()
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    sub = {"EMPTY": empty, **bad_json_files(tmp_path), "BROKEN": tmp_path / "broken", "NOTCKPT": tmp_path / "notckpt",
+           "UNDERFILE": tmp_path / "afile" / "out", "OFFLINE": "nosuchorg-rlver/nosuchmodel"}
+    flags = [str(sub.get(f, f)) for f in flags]
+    out = [] if "--output-dir" in flags else ["--output-dir", str(tmp_path / "out")]
+    rc = main(flags + out + ["--report-to", "none"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and msg in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out" / "checkpoints").exists()  # nothing heavy happened
@@ -82,12 +99,19 @@ def test_kill_mid_run_and_resume_matches_uninterrupted_run(tmp_path):
     p.wait()
     killed_at = len(read_metrics(cut))
     assert killed_at < 6, "the run finished before it could be killed"
+    # A kill in the middle of writing a row leaves half a line (issue 14 item 7: the first
+    # resume crashed on it, after having emptied metrics.jsonl).
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        with open(os.path.join(cut, name), "a") as f:
+            f.write('{"step": 5, "rew')
     p = run_train(["--algo", "grpo", *TINY, "--output-dir", cut, "--resume", "auto"])
     out = p.communicate(timeout=600)[0]
     assert p.returncode == 0, out
     assert "resumed from" in out
     a, b = read_metrics(full), read_metrics(cut)
     assert [r["step"] for r in b] == list(range(6))  # every step once, none lost, none doubled
+    samples = [json.loads(l) for l in open(os.path.join(cut, "samples.jsonl"))]
+    assert [r["step"] for r in samples] == list(range(6))  # (they used to be doubled after a resume)
     # Model, optimizer, scheduler and RNG state were restored: the resumed run is the same run.
     assert [r["reward"] for r in a] == [r["reward"] for r in b]
     assert [round(r["policy_loss"], 6) for r in a] == [round(r["policy_loss"], 6) for r in b]
@@ -165,3 +189,85 @@ def test_minibatch_counts_scenarios_of_the_step(algo, group, tmp_path):
                       "--report-to", "none", "--output-dir", str(tmp_path)])
     train(cfg)
     assert [r["optimizer_steps"] for r in read_metrics(str(tmp_path))] == [2]
+
+
+# ---------------------------------------------------------------- issue 14: faults and bad input
+def strict_rows(path):
+    """Rows of a JSONL file, parsed as any JSON parser would: NaN or Infinity is an error."""
+    def no_constants(name):
+        raise ValueError(f"{path}: {name} is not JSON")
+    return [json.loads(l, parse_constant=no_constants) for l in open(path)]
+
+
+@pytest.mark.parametrize("algo,extra", [("grpo", ["--kl-coef", "0.1"]), ("ppo", ["--epochs", "2"])])
+def test_a_step_whose_dialogues_all_failed_is_skipped_and_logged_as_missing(algo, extra, tmp_path):
+    """Items 3 and 4: the simulator answers garbage to every call, so every dialogue ends as
+    simulator_error. Log-probs of zero rows used to crash (kl > 0, epochs > 1); the step's reward
+    was logged as 0.0 and samples.jsonl got a bare NaN. Now: no update, reward null, strict JSON."""
+    from fake_openai import FakeOpenAIServer
+    with FakeOpenAIServer(fault_rate=1.0, fault_kinds=("garbage",), max_faults_in_a_row=10 ** 9) as srv:
+        rc = main(["--algo", algo, *TINY, "--steps", "2", *extra, "--simulator", "openai",
+                   "--simulator-base-url", srv.base_url, "--simulator-model", "fake", "--output-dir", str(tmp_path)])
+    assert rc == 0
+    rows = strict_rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["update_skipped"] == 1 and r["simulator_errors"] == r["dialogues"] > 0
+        assert r["reward"] is None and r["emotion"] is None and r["turns"] is None
+        assert r["parse_retries"] == 2 * r["dialogues"]  # 3 tries per dialogue's first call
+    assert all(s["reward"] is None for s in strict_rows(tmp_path / "samples.jsonl"))
+    assert not (tmp_path / "reward_curve.png").exists()  # nothing to plot, nothing drawn as 0
+
+
+def test_steps_without_reward_are_not_plotted_as_zero(tmp_path):
+    """Item 4: rollout_stats gives None (not 0.0) when no dialogue is valid; the curve skips it."""
+    from rollout import collate, rollout_stats
+    from train import plot_curve
+    bad = {"valid": False, "outcome": "simulator_error", "reward": float("nan"), "emotion": 30, "turns": 0,
+           "response_lengths": [], "format_violations": 0}
+    s = rollout_stats(collate([], 0, metrics=[bad, bad]))
+    assert (s["reward"], s["emotion"], s["success_rate"], s["simulator_errors"], s["dialogues"]) == (None, None, None, 2, 2)
+    m = tmp_path / "metrics.jsonl"
+    m.write_text("".join(json.dumps({"step": i, "reward": r}) + "\n" for i, r in enumerate([None, 0.2, None, 0.4])))
+    plot_curve(str(m), str(tmp_path / "c.png"), "t")
+    assert os.path.getsize(tmp_path / "c.png") > 1000
+
+
+def test_truncate_logs_keeps_earlier_steps_and_is_atomic(tmp_path, monkeypatch):
+    """Item 7: both logs are cut back to the checkpoint's step, a torn last line is dropped, and
+    a failure before the rename leaves the old file whole."""
+    from train import truncate_logs
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps({"step": i}) + "\n" for i in range(5)) + '{"step": 5, "x')
+    before = (tmp_path / "metrics.jsonl").read_text()
+    def fail(*a):
+        raise OSError("disk full")
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "replace", fail)
+        with pytest.raises(OSError):
+            truncate_logs(str(tmp_path), 3)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    truncate_logs(str(tmp_path), 3)
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        assert [r["step"] for r in strict_rows(tmp_path / name)] == [0, 1, 2]
+
+
+def test_second_run_on_a_busy_output_dir_fails_with_one_line(tmp_path, capsys):
+    """Item 8: a second train.py on a directory in use used to interleave its steps with the
+    first's. The holder here is another process that took the lock (as train.py does: flock
+    on .lock, its pid inside); once it is killed (no cleanup), the directory is free again."""
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; f = open(sys.argv[1], 'w'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); f.write(str(os.getpid())); f.flush(); "
+                               "print('locked', flush=True); time.sleep(600)", str(tmp_path / ".lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        rc = main([*TINY, "--output-dir", str(tmp_path)])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and f"--output-dir {tmp_path}: in use by another run (pid {holder.pid})" in err, err
+        assert len(err.splitlines()) == 1 and not (tmp_path / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    from train import lock_output_dir
+    lock_output_dir(str(tmp_path)).close()  # SIGKILL left no stale lock
