@@ -274,7 +274,7 @@ def ppo_update(policy, critic, optimizers, batch, cfg: PPOConfig, accelerator=No
                 T = mb.input_ids.shape[1]
                 m = mb.loss_mask.float()
                 lp, ent = token_logprobs(policy, mb.input_ids, mb.attention_mask, cfg.temperature,
-                                         return_entropy=True, entropy_grad=cfg.entropy_coef > 0)
+                                         return_entropy=True, entropy_grad=cfg.entropy_coef > 0, positions=mb.loss_mask)
                 old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()  # on-policy: ratio 1
                 pl, ps = policy_loss(lp, old, adv[idx, :T].to(dev), m, cfg.clip_eps, n_tok)
                 ent_loss = -cfg.entropy_coef * masked_mean(ent, m, n_tok)
