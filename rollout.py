@@ -279,8 +279,8 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
     finally:
         inner.set_output_embeddings(head)
     out = torch.cat(outs)
-    if return_entropy:
-        return out[..., 0], out[..., 1]
+    if return_entropy:  # a statistic unless entropy_grad: no graph behind it
+        return out[..., 0], out[..., 1] if entropy_grad else out[..., 1].detach()
     return out[..., 0]
 
 
