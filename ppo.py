@@ -107,6 +107,9 @@ class ValueModel(nn.Module):
         torch.save(self.value_head.state_dict(), os.path.join(path, "value_head.pt"))
 
     def forward(self, input_ids, attention_mask):
+        # The critic reads the final (normed) hidden states directly, like rollout.token_logprobs,
+        # but has no LM head at all (AutoModel): no vocab-sized tensor ever exists here. Called as
+        # the top-level module, so FSDP2/DDP hooks on this ValueModel gather the backbone's root.
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         v = self.value_head(h).squeeze(-1).float()
         # Shift right: values[t] = V(x_<t), read off the hidden state of x_{t-1}.
