@@ -134,7 +134,8 @@ def grpo_update(policy, optimizer, batch, cfg: GRPOConfig, accelerator=None, gen
             for idx in micro_list:
                 mb = batch.select(idx).to(dev)
                 lp, ent = token_logprobs(policy, mb.input_ids, mb.attention_mask, cfg.temperature, return_entropy=True,
-                                         entropy_grad=cfg.entropy_coef > 0)
+                                         entropy_grad=cfg.entropy_coef > 0,
+                                         positions=mb.loss_mask)  # only the tokens the loss reads
                 # No stored old log-probs: the update is on-policy (one epoch, one minibatch), so
                 # pi_old = pi at this moment, i.e. the detached current log-probs (ratio = 1).
                 old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()

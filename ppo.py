@@ -143,6 +143,9 @@ class ValueModel(nn.Module):
         torch.save(self.value_head.state_dict(), os.path.join(path, "value_head.pt"))
 
     def forward(self, input_ids, attention_mask):
+        # The critic reads the final (normed) hidden states directly, like rollout.token_logprobs,
+        # but has no LM head at all (AutoModel): no vocab-sized tensor ever exists here. Called as
+        # the top-level module, so FSDP2/DDP hooks on this ValueModel gather the backbone's root.
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         v = self.value_head(h).squeeze(-1).float()
         # Shift right: values[t] = V(x_<t), read off the hidden state of x_{t-1}.
@@ -330,7 +333,7 @@ def ppo_update(policy, critic, optimizers, batch, cfg: PPOConfig, accelerator=No
                 T = mb.input_ids.shape[1]
                 m = mb.loss_mask.float()
                 lp, ent = token_logprobs(policy, mb.input_ids, mb.attention_mask, cfg.temperature,
-                                         return_entropy=True, entropy_grad=cfg.entropy_coef > 0)
+                                         return_entropy=True, entropy_grad=cfg.entropy_coef > 0, positions=mb.loss_mask)
                 old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()  # on-policy: ratio 1
                 pl, ps = policy_loss(lp, old, adv[idx, :T].to(dev), m, cfg.clip_eps, n_tok)
                 ent_loss = -cfg.entropy_coef * masked_mean(ent, m, n_tok)

@@ -82,7 +82,7 @@ class Batch:
     rewards: torch.Tensor                # [N] float
     group_ids: torch.Tensor              # [N] rows with the same id share a scenario (GRPO)
     dialogue_ids: torch.Tensor           # [N] rows with the same id come from one dialogue
-    old_logprobs: torch.Tensor | None = None  # [N, T] log p_old(token t | < t), 0 at masked
+    old_logprobs: torch.Tensor | None = None  # [N, T] log p_old(token t | < t), 0 where loss_mask is 0
     ref_logprobs: torch.Tensor | None = None  # [N, T] or None when kl_coef == 0
     metrics: list[dict] = field(default_factory=list)  # per dialogue (simulator_error ones too)
 
@@ -123,39 +123,166 @@ class Batch:
 
 
 # --------------------------------------------------------------------------------------------
-# Log-probs of given tokens, aligned to input positions.
+# Log-probs of given tokens, aligned to input positions, without ever holding the full logits.
+#
+# The logits tensor is rows x length x vocab (Qwen: 151,936 columns): for one 8k-token row of a
+# 7B model that is 1.2 G values, 5 GB in float32, and a plain `model(...).logits` keeps it (and
+# a log-softmax of the same size) alive until the backward pass. Log-probs only need two numbers
+# per position, logit[token] and logsumexp(logits), so we take them from the final hidden
+# states chunk by chunk: a chunk of positions goes through the LM head, gives its two numbers
+# (and the entropy), and its logits are dropped at once. The backward pass recomputes each
+# chunk's logits (one matmul) instead of storing them.
+#
+# How the recomputation is done: a small custom autograd.Function (_ChunkedLogprobs), not
+# torch.utils.checkpoint per chunk. Both save only the hidden states and recompute, but with
+# checkpointing autograd differentiates the chunk's ops one by one, so every chunk produces a
+# fresh vocab x hidden gradient for the LM head weight (544 MB at 0.5B, 2 GB at 7B in fp32) and
+# a full-size softmax gradient; the gradients are then summed out of place. Written by hand,
+# the backward of logp = z[y] - logsumexp(z) is just (onehot(y) - softmax(z)) * grad, so each
+# chunk needs one [chunk, vocab] buffer, and the weight gradient is accumulated in place into
+# one buffer (`addmm_`). That is what keeps the update's memory and time down (see README,
+# Performance).
 # --------------------------------------------------------------------------------------------
+LOGIT_CHUNK_ELEMS = 2 ** 25  # logits per chunk (32 M floats = 128 MB in fp32): ~220 positions of Qwen's vocab
+
+
+def _compute_dtype(x, weight):
+    """The dtype the LM head's matmul runs in: autocast's (accelerate's mixed precision), else the weight's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """h [M, H] final hidden states, targets [M] -> (logp [M], entropy [M]) of the tokens under
+    softmax((h @ W.T + b) / temperature), in float32, chunk positions at a time."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, temperature, chunk, want_entropy, entropy_grad):
+        cd = _compute_dtype(h, weight)
+        w, b = weight.to(cd), None if bias is None else bias.to(cd)  # cast once, not per chunk
+        lps, lses, ents = [], [], []
+        for s in range(0, h.shape[0], chunk):
+            z = F.linear(h[s:s + chunk].to(cd), w, b).float()  # matmul in model dtype, the rest in fp32
+            if temperature != 1.0:
+                z /= temperature
+            lse = torch.logsumexp(z, dim=-1)
+            lps.append(z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse)
+            lses.append(lse)
+            if want_entropy:  # H = logsumexp(z) - sum_j p_j z_j
+                ents.append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
+            del z
+        empty = h.new_zeros(0, dtype=torch.float32)  # a row with no wanted position (e.g. a padding row)
+        lp, lse = torch.cat(lps or [empty]), torch.cat(lses or [empty])
+        ent = torch.cat(ents or [empty]) if want_entropy else empty
+        ctx.save_for_backward(h, weight, bias, targets, lse, ent)
+        ctx.temperature, ctx.chunk, ctx.cd = temperature, chunk, cd
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        h, weight, bias, targets, lse, ent = ctx.saved_tensors
+        cd, T = ctx.cd, ctx.temperature
+        w, b = weight.to(cd), None if bias is None else bias.to(cd)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(h) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None  # ONE buffer, accumulated in place
+        grad_b = torch.zeros_like(bias) if need_b else None
+        if g_lp is None and g_ent is None:
+            return grad_h, grad_w, grad_b, None, None, None, None, None
+        for s in range(0, h.shape[0], ctx.chunk):
+            e = slice(s, s + ctx.chunk)
+            z = F.linear(h[e].to(cd), w, b).float()
+            if T != 1.0:
+                z /= T
+            p = (z - lse[e, None]).exp_()  # softmax, from the saved logsumexp
+            # d logp / dz = onehot(y) - p
+            g = p * (-g_lp[e, None]) if g_lp is not None else torch.zeros_like(p)
+            if g_lp is not None:
+                g.scatter_add_(-1, targets[e, None], g_lp[e, None])
+            # d H / dz_j = -p_j (z_j - E_p[z]),  E_p[z] = logsumexp - H
+            if g_ent is not None:
+                g -= z.sub_((lse[e] - ent[e])[:, None]).mul_(p).mul_(g_ent[e, None])
+            del z, p
+            g = (g / T if T != 1.0 else g).to(cd)  # z = logits / T
+            if need_h:
+                grad_h[e] = (g @ w).to(h.dtype)
+            if need_w:
+                grad_w.addmm_(g.t().to(weight.dtype), h[e].to(weight.dtype))
+            if need_b:
+                grad_b += g.sum(0).to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+class _LogprobHead(torch.nn.Module):
+    """Stands in for the model's LM head during one forward call: receives the final hidden
+    states [B, T, H] and returns [B, T, 2] = (log-prob, entropy) per position instead of logits."""
+
+    def __init__(self, head, input_ids, positions, temperature, chunk, want_entropy, entropy_grad):
+        super().__init__()
+        self.head = head
+        self.args = (input_ids, positions, temperature, chunk, want_entropy, entropy_grad)
+
+    def forward(self, hidden):
+        input_ids, positions, temperature, chunk, want_entropy, entropy_grad = self.args
+        sel = positions[:, 1:]  # the hidden state at t-1 predicts the token at t
+        h = hidden[:, :-1][sel]
+        lp, ent = _ChunkedLogprobs.apply(h, self.head.weight, self.head.bias, input_ids[:, 1:][sel],
+                                         temperature, chunk, want_entropy, entropy_grad)
+        vals = torch.stack([lp, ent if want_entropy else torch.zeros_like(lp)], -1)
+        out = vals.new_zeros(*sel.shape, 2).index_put((sel,), vals)
+        return F.pad(out, (0, 0, 1, 0))  # position 0 has no log-prob
+
+
 def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
-                   micro_batch: int | None = None, return_entropy: bool = False, entropy_grad: bool = False):
+                   micro_batch: int | None = None, return_entropy: bool = False, entropy_grad: bool = False,
+                   positions=None, chunk_size: int | None = None):
     """out[n, t] = log p(input_ids[n, t] | input_ids[n, <t]) (position 0 and padding = 0).
 
-    The logits tensor (rows x length x vocab, 151k for Qwen) dominates memory, so rows go
-    through the model `micro_batch` at a time, and log-probs are taken one row at a time, in
-    float32, as logit[token] - logsumexp(logits): no [length x vocab] log-softmax tensor is
-    kept for backward. Logits are divided by the sampling temperature so these are the
-    log-probs of the distribution we actually sampled from. Differentiable. The entropy
-    (return_entropy) carries gradient only with entropy_grad (PPO's entropy bonus); as a
-    statistic it is computed without building a graph."""
+    Computed from the final hidden states in chunks of `chunk_size` positions (default: about
+    LOGIT_CHUNK_ELEMS logits per chunk), in float32, never holding the [rows, length, vocab]
+    logits (see above). Only the positions in `positions` ([N, T] 0/1, e.g. the loss mask;
+    default: every real token) are computed, the rest are 0. Logits are divided by the sampling
+    temperature so these are the log-probs of the distribution we actually sampled from. Rows go
+    through the model `micro_batch` at a time. Differentiable; the same call serves old/ref
+    log-probs (under no_grad) and the update. The entropy (return_entropy) carries gradient
+    only with entropy_grad (PPO's entropy bonus); as a statistic it builds no graph.
+
+    How we reach the hidden states and the LM head: we call the model's own forward, with its
+    LM head swapped for _LogprobHead for the duration of the call. HF causal LMs end their
+    forward with `logits = self.lm_head(final_norm(hidden))`, so our head gets exactly the
+    normed hidden states and its output comes back as `.logits`. Two alternatives are worse:
+    `model(..., output_hidden_states=True)` returns every layer's hidden states (25 x [T, H] at
+    0.5B, kept alive together) and leaves the head to be applied outside the forward; and
+    calling `model.model(...)` and `model.lm_head.weight` directly skips the top-level module's
+    forward, which is where FSDP2 (fully_shard) gathers the root's parameters (embedding, final
+    norm, LM head) and hooks its backward: outside it `lm_head.weight` is a shard. Inside the
+    swapped-in head the forward is the model's own, so DDP (`model.module`) and FSDP2 hooks run
+    as usual. (Assumes the LM head is not an FSDP unit of its own, as in accelerate's policies.)"""
     N, T = input_ids.shape
     micro_batch = micro_batch or N
-    lps, ents = [], []
-    for s in range(0, N, micro_batch):
-        ids, am = input_ids[s:s + micro_batch], attention_mask[s:s + micro_batch]
-        logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits[:, :-1]
-        for r in range(ids.shape[0]):
-            lg = logits[r].float()  # a copy only for half-precision models
-            if temperature != 1.0:
-                lg = lg / temperature
-            lse = torch.logsumexp(lg, dim=-1)
-            lps.append(F.pad(lg.gather(-1, ids[r, 1:, None]).squeeze(-1) - lse, (1, 0)))
-            if return_entropy:  # H = logsumexp - sum(p * logit)
-                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                    ents.append(F.pad(lse - (torch.softmax(lg, dim=-1) * lg).sum(-1), (1, 0)))
-    mask = attention_mask.to(torch.bool)
-    lp = torch.stack(lps) * mask
-    if return_entropy:
-        return lp, torch.stack(ents) * mask
-    return lp
+    inner = getattr(model, "module", model)  # DDP wraps the HF model in .module
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear) or getattr(inner.config, "final_logit_softcapping", None):
+        raise TypeError(f"token_logprobs needs a causal LM whose forward ends in a linear lm_head, "
+                        f"got {type(inner).__name__}")
+    want = attention_mask.bool() if positions is None else attention_mask.bool() & positions.bool()
+    chunk = chunk_size or max(1, LOGIT_CHUNK_ELEMS // head.out_features)
+    outs = []
+    try:
+        for s in range(0, N, micro_batch):
+            ids = input_ids[s:s + micro_batch]
+            inner.set_output_embeddings(_LogprobHead(head, ids, want[s:s + micro_batch], temperature, chunk,
+                                                     return_entropy, entropy_grad and torch.is_grad_enabled()))
+            outs.append(model(input_ids=ids, attention_mask=attention_mask[s:s + micro_batch], use_cache=False).logits)
+    finally:
+        inner.set_output_embeddings(head)
+    out = torch.cat(outs)
+    if return_entropy:  # a statistic unless entropy_grad: no graph behind it
+        return out[..., 0], out[..., 1] if entropy_grad else out[..., 1].detach()
+    return out[..., 0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,15 +519,16 @@ def collate(rows, pad_id, metrics=None) -> Batch:
 @torch.no_grad()
 def add_logprobs(batch: Batch, policy, ref_model=None, temperature: float = 1.0, micro_batch: int = 8,
                  old: bool = True) -> Batch:
-    """Old-policy (and reference) log-probs of the sampled tokens, computed once per rollout.
+    """Old-policy (and reference) log-probs of the sampled tokens, computed once per rollout,
+    only where the loss mask is 1 (0 elsewhere: nothing reads them there).
     old=False skips the policy pass (an on-policy update needs no stored old log-probs)."""
     dev = next(policy.parameters()).device
-    ids, am = batch.input_ids.to(dev), batch.attention_mask.to(dev)
-    old = token_logprobs(policy, ids, am, temperature, micro_batch).cpu() if old else None
+    ids, am, lm = batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.loss_mask.to(dev)
+    old = token_logprobs(policy, ids, am, temperature, micro_batch, positions=lm).cpu() if old else None
     ref = None
     if ref_model is not None:
         rdev = next(ref_model.parameters()).device
-        ref = token_logprobs(ref_model, ids.to(rdev), am.to(rdev), temperature, micro_batch).cpu()
+        ref = token_logprobs(ref_model, ids.to(rdev), am.to(rdev), temperature, micro_batch, positions=lm.to(rdev)).cpu()
     return dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref)
 
 

@@ -57,6 +57,58 @@ def rss_mb():
     return psutil.Process().memory_info().rss / 2**20
 
 
+def peak_reset():
+    """Start a fresh peak-memory window: CUDA's allocator statistics, or on a CPU the kernel's
+    resident-set high-water mark (writing 5 to /proc/self/clear_refs resets VmHWM)."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() / 2**20
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss_mb()
+
+
+def peak_since(base):
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / 2**20 - base
+    with open("/proc/self/status") as f:
+        hwm = next(int(l.split()[1]) for l in f if l.startswith("VmHWM"))
+    return hwm / 1024 - base
+
+
+def logprob_worker(args, model):
+    """Peak memory (and time) of token_logprobs alone on one --lp-tokens long sequence, every
+    position wanted: without gradient (old/reference log-probs) and forward + backward (the
+    update). lp-old runs the full-logits implementation this project used before the chunked
+    one (kept in tests/test_logprobs.py as the exactness reference)."""
+    import torch
+    if args.worker == "lp-old":
+        from tests.test_logprobs import reference_token_logprobs as fn
+    else:
+        from rollout import token_logprobs as fn
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (1, args.lp_tokens), generator=g).to(args.device)
+    am = torch.ones_like(ids)
+    res = {"worker": args.worker, "tokens": args.lp_tokens}
+    for phase in ("nograd", "grad"):
+        model.zero_grad(set_to_none=True)
+        base = peak_reset()
+        t0 = time.perf_counter()
+        n = args.lp_tokens if phase == "nograd" else args.lp_grad_tokens or args.lp_tokens
+        res[f"{phase}_tokens"] = n
+        with torch.set_grad_enabled(phase == "grad"):
+            lp = fn(model, ids[:, :n], am[:, :n])
+            if phase == "grad":
+                lp.sum().backward()
+        res[f"{phase}_s"] = time.perf_counter() - t0
+        res[f"{phase}_peak_mb"] = peak_since(base)
+        del lp
+    print("RESULT " + json.dumps(res), flush=True)
+
+
 def worker(args):
     import torch
     from transformers.utils import is_flash_attn_2_available
@@ -65,6 +117,8 @@ def worker(args):
     attn = "flash_attention_2" if cuda and is_flash_attn_2_available() else "sdpa"
     model.config._attn_implementation = attn
     model.to(args.device, dtype=torch.bfloat16 if cuda else torch.float32)
+    if args.worker.startswith("lp-"):
+        return logprob_worker(args, model)
     n_params = sum(p.numel() for p in model.parameters())
     B = args.prompts * args.group
     times, gen_times, upd_times, tokens = [], [], [], []
@@ -167,7 +221,12 @@ def main():
     ap.add_argument("--micro", type=int, default=32, help="rows per forward/backward (ours)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--only", nargs="+", default=["ours-grpo", "ours-ppo", "trl-grpo"])
+    ap.add_argument("--only", nargs="+", default=["ours-grpo", "ours-ppo", "trl-grpo", "lp-old", "lp-new"],
+                    help="lp-old / lp-new: token_logprobs alone on one --lp-tokens sequence, before / after chunking")
+    ap.add_argument("--lp-tokens", type=int, default=4096, help="sequence length of the lp-old / lp-new runs")
+    ap.add_argument("--lp-grad-tokens", type=int, default=None,
+                    help="shorter sequence for their forward+backward (the activations of a 0.5B model at 4k "
+                         "tokens need ~11 GB of RAM on a CPU); default --lp-tokens")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each, interleaved; medians are reported")
     args = ap.parse_args()
     if args.untie and args.model_size == "tiny":
@@ -178,8 +237,10 @@ def main():
     print(f"{args.model_size} model on {args.device}; batch {args.prompts} prompts x {args.group} samples, "
           f"<= {args.length} new tokens; mean of {args.steps} steps after 1 warm-up; median of {args.rounds} runs")
     runs = {}
-    for _ in range(args.rounds):  # interleaved, so a slow spell of the machine hits all alike
+    for rnd in range(args.rounds):  # interleaved, so a slow spell of the machine hits all alike
         for w in args.only:
+            if w.startswith("lp-") and rnd:
+                continue  # memory is deterministic: one run of each is enough
             if w.startswith("trl"):
                 try:
                     import trl  # noqa: F401
@@ -192,9 +253,11 @@ def main():
                 print(f"{w}: failed\n{p.stderr[-3000:]}")
                 continue
             runs.setdefault(w, []).append(json.loads(line[7:]))
-    results = {w: sorted(rs, key=lambda r: r["step_s"])[len(rs) // 2] for w, rs in runs.items()}  # median run
+    results = {w: sorted(rs, key=lambda r: r.get("step_s", 0))[len(rs) // 2] for w, rs in runs.items()}  # median run
     print(f"{'run':<10} {'step s':>8} {'peak MB':>9} {'gen s':>7} {'update s':>9}  extra")
     for w, r in results.items():
+        if w.startswith("lp-"):
+            continue
         extra = ""
         if "mfu" in r:
             extra = f"gen {r['gen_tokens_per_s']:.0f} tok/s, train {r['train_tokens_per_s']:.0f} tok/s, MFU {r['mfu'] or float('nan'):.1%}"
@@ -203,6 +266,14 @@ def main():
     if "trl-grpo" in results and "ours-grpo" in results:
         o, t = results["ours-grpo"], results["trl-grpo"]
         print(f"ours / TRL GRPO step time: {o['step_s'] / t['step_s']:.2f}   peak memory: {o['peak_mb'] / max(t['peak_mb'], 1e-9):.2f}")
+    if "lp-old" in results and "lp-new" in results:
+        o, n = results["lp-old"], results["lp-new"]
+        print(f"token_logprobs alone, one sequence, peak MB (s), before -> after: "
+              f"no grad, {n['nograd_tokens']} tokens: {o['nograd_peak_mb']:.0f} -> {n['nograd_peak_mb']:.0f} "
+              f"({o['nograd_s']:.2f} -> {n['nograd_s']:.2f} s); forward+backward, {n['grad_tokens']} tokens: "
+              f"{o['grad_peak_mb']:.0f} -> {n['grad_peak_mb']:.0f} ({o['grad_s']:.2f} -> {n['grad_s']:.2f} s)")
+        print(f"token_logprobs peak memory, before / after: no grad {o['nograd_peak_mb'] / max(n['nograd_peak_mb'], 1e-9):.1f}x, "
+              f"forward+backward {o['grad_peak_mb'] / max(n['grad_peak_mb'], 1e-9):.1f}x")
 
 
 if __name__ == "__main__":
