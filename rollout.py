@@ -220,14 +220,10 @@ def generate_turn(policy, contexts: list[list[int]], cfg: GenConfig, eos_id: int
     sample = cfg.temperature > 0
     # An explicit GenerationConfig replaces the model's own generation_config.json (Qwen ships
     # top_k=20, top_p=0.8, repetition_penalty=1.05): training needs plain temperature sampling.
-    # transformers fills every field left None from the model's file, so each one that changes
-    # the distribution is set: repetition_penalty too (else Qwen's 1.05 leaks in and the sampled
-    # distribution differs from the softmax(logits / T) the old log-probs are computed from).
     gc = GenerationConfig(do_sample=sample, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_id,
                           pad_token_id=pad_id, use_cache=True, top_k=0 if sample else None,
                           temperature=cfg.temperature if sample else None,
-                          top_p=cfg.top_p if sample else None,
-                          repetition_penalty=1.0 if sample else None)
+                          top_p=cfg.top_p if sample else None)
     out = policy.generate(input_ids=ids.to(policy.device), attention_mask=attn.to(policy.device),
                           generation_config=gc, **generate_kwargs)
     turns = []

@@ -147,7 +147,7 @@ def check_model_arg(flag: str, value: str):
     local = os.path.exists(value) or value.startswith((".", "/", "~")) or value.count("/") != 1
     if local and not os.path.isfile(os.path.join(os.path.expanduser(value), "config.json")):
         raise InputError(f"{flag} {value}: no model there (expected a directory with config.json, "
-                         f"a hub id like Qwen/Qwen2.5-7B-Instruct, 'smollm2' or 'tiny')")
+                         f"a hub id like Qwen/Qwen2.5-7B-Instruct, or 'tiny')")
 
 
 def validate(cfg: Config):
