@@ -268,7 +268,7 @@ def load_policy(model: str, seed: int):
     from rollout import make_tiny_policy, resolve_model
     from train import pick_attn_implementation
     if model == "tiny":
-        policy, tok = make_tiny_policy(seed=seed)
+        policy, tok = make_tiny_policy(seed=seed, words=True)
     else:
         gpu = torch.cuda.is_available()
         model = resolve_model(model)  # 'smollm2' -> its cached HF directory

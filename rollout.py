@@ -587,11 +587,81 @@ def make_tiny_tokenizer():
     return tok
 
 
+# The CPU demo's vocabulary: everyday words a supportive reply is made of. Together with every
+# phrase the rule user reacts to or says (simulator.rule_user_phrases) and the agent's English
+# system prompts, they make the word-level tiny tokenizer: a random tiny model then speaks
+# (random) words, not bytes, and what RL changes is WHICH words it says.
+TINY_WORDS = """
+i you he she it we they me my your our their this that these those here there what how why when
+who where which is am are was were be been being do does did have has had can could would should
+will may might must not no yes so and but or if because about for with to of in on at from by as
+just really very too also still always never sometimes maybe perhaps again all some any more most
+much many little lot thing things something anything nothing everything way time day days today
+now then after before feel feels feeling felt hear heard see understand know think thought sound
+sounds seems said say tell talk listen want need like love care help try trying hope wish remember
+hard tough heavy painful sad angry upset scared worried tired lonely alone hurt hurts frustrating
+frustrated unfair awful terrible okay fine good better best glad happy proud brave strong kind safe
+sorry thank thanks please sure right wrong fair true real enough whole own other another same
+work job family friend friends partner boss parents home school money life people someone everyone
+go going went come make makes made take took get got give keep let put stop start happen happened
+happens mean means matter matters deal handle cope manage change move moving forward together
+step steps plan small next first idea ideas option options choice reason reasons side sides hand
+part learn grow looking back sense course wonder wondering imagine guess believe trust worth
+""".split()
+
+
+def _tiny_vocab_pieces() -> list[str]:
+    """The word-level vocabulary: every word and punctuation mark of the texts above (ASCII
+    only), as written and in lower case. Sorted, so the ids are the same on every machine."""
+    from simulator import rule_user_phrases
+    texts = TINY_WORDS + rule_user_phrases("en") + [SYSTEM_PROMPTS[("en", t)] for t in (False, True)]
+    texts += TINY_TEMPLATE_WORDS + list(".,!?'-:;\"()")
+    pieces = set()
+    for text in texts:
+        for piece, _ in _tiny_pre_tokenizer().pre_tokenize_str(text):
+            if piece.isascii():
+                pieces |= {piece, piece.lower()}
+    return sorted(pieces)
+
+
+TINY_TEMPLATE_WORDS = ["system", "user", "assistant", "don't", "it's", "that's", "you're", "I'm", "I've",
+                       "can't", "won't", "isn't", "wasn't", "didn't", "doesn't", "let's", "there's"]
+
+
+def _tiny_pre_tokenizer():
+    """Split at white space, then into words (apostrophes kept: "I'm"), numbers and single
+    other characters. White space is not a token: decoding puts one space between words and
+    none before punctuation (the WordPiece decoder's clean-up)."""
+    from tokenizers import Regex, pre_tokenizers
+    return pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                    pre_tokenizers.Split(Regex("[A-Za-z']+|[0-9]+|[^A-Za-z0-9']"), behavior="isolated")])
+
+
+def make_tiny_word_tokenizer():
+    """A word-level tokenizer over a fixed English vocabulary (`_tiny_vocab_pieces`: about 380
+    words and marks) with the same special tokens and chat template as `make_tiny_tokenizer`.
+    Unknown words become <unk>; everything the tiny policy samples decodes to readable words."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<unk>"]
+    vocab = {p: i for i, p in enumerate(specials + _tiny_vocab_pieces())}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = _tiny_pre_tokenizer()
+    tk.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
 def make_tiny_policy(seed: int = 0, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                     attn_implementation: str = "sdpa"):
-    """(model, tokenizer): a random-init Qwen2-architecture causal LM sized for a CPU."""
+                     attn_implementation: str = "sdpa", words: bool = False):
+    """(model, tokenizer): a random-init Qwen2-architecture causal LM sized for a CPU. The
+    tokenizer is byte-level (any text, exactly; the tests), or with words=True word-level over
+    a fixed English vocabulary (the CPU demo: readable dialogues)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    tok = make_tiny_tokenizer()
+    tok = make_tiny_word_tokenizer() if words else make_tiny_tokenizer()
     cfg = Qwen2Config(vocab_size=64 * ((len(tok) + 63) // 64), hidden_size=hidden_size,
                       intermediate_size=4 * hidden_size, num_hidden_layers=num_layers,
                       num_attention_heads=num_heads, num_key_value_heads=max(1, num_heads // 2),

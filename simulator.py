@@ -823,6 +823,17 @@ _BYE = {"en": {True: "Thank you, really. I think I'm okay now. Bye!", False: "I'
         "zh": {True: "真的谢谢你，我觉得好多了，再见！", False: "我走了，再见。"}}
 
 
+def rule_user_phrases(language: str = "en") -> list[str]:
+    """Every phrase the rule user reacts to (feature and goal words) or says (replies, goal
+    hints, goodbyes, its opening): rollout.make_tiny_tokenizer(words=True) puts them all in the
+    CPU demo's vocabulary, so what the rule user rewards is something the tiny model can say."""
+    out = [k for d in (_FEATURE_WORDS, _GOAL_WORDS) for ks in d.values() for k in ks]
+    out += [r for rs in _REPLIES[language].values() for r in rs] + list(_GOAL_HINTS[language].values())
+    out += list(_BYE[language].values()) + ["Can I talk to you?" if language == "en" else "能和你聊聊吗？"]
+    # The keyword lists hold both languages: keep the phrases written in this one.
+    return [p for p in out if p and p.isascii() == (language == "en")]
+
+
 class RuleBackend:
     """Offline simulated user: scores a reply on interpretable features and writes templated
     lines. Deterministic given (seed, scenario, turn, reply). Used by tests and the CPU demo.

@@ -374,7 +374,7 @@ def load_models(cfg: Config, dtype):
     from rollout import make_tiny_policy, resolve_model
     attn = pick_attn_implementation()
     if cfg.model == "tiny":
-        policy, tok = make_tiny_policy(seed=cfg.seed)
+        policy, tok = make_tiny_policy(seed=cfg.seed, words=True)  # word-level: readable dialogues
         critic = ValueModel.from_config(policy.config) if cfg.algo == "ppo" else None
         ref = copy.deepcopy(policy) if cfg.kl_coef > 0 else None
     else:

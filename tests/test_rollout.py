@@ -351,3 +351,26 @@ def test_never_appraised_dialogues_are_not_scored(tiny):
     assert len(b) == 0 and [(m["valid"], m["turns"], m["outcome"]) for m in b.metrics] == [(False, 0, "max_tokens")] * 4
     s = rollout_stats(b)
     assert (s["reward"], s["emotion"], s["unappraised"], s["simulator_errors"], s["dialogues"]) == (None, None, 4, 0, 4)
+
+
+def test_word_tokenizer_makes_the_cpu_demo_readable():
+    """The CPU demo's tokenizer (train.py / evaluate.py --model tiny): every phrase the rule
+    user reacts to or says is in its vocabulary, and a RANDOM tiny model already speaks words,
+    so what RL changes is which words (the byte tokenizer's random model writes byte noise)."""
+    from rollout import end_of_turn_id, generate_turn, make_tiny_word_tokenizer
+    from simulator import rule_user_phrases
+    tok = make_tiny_word_tokenizer()
+    phrases = rule_user_phrases("en")
+    assert len(phrases) > 80 and "sounds" in phrases and "get over it" in phrases
+    for p in phrases:
+        ids = tok.encode(p, add_special_tokens=False)
+        assert tok.unk_token_id not in ids and tok.decode(ids) == p.strip(), p
+    rule = RuleBackend()
+    for words, want in ((True, 0.95), (False, 0.6)):
+        model, tk = make_tiny_policy(seed=0, words=words)
+        ctx = [tk.encode("<|im_start|>user\nI lost my job.<|im_end|>\n<|im_start|>assistant\n")] * 4
+        torch.manual_seed(0)
+        turns = generate_turn(model, ctx, GenConfig(max_new_tokens=24), end_of_turn_id(tk), tk.pad_token_id)
+        texts = [tk.decode(t, skip_special_tokens=True) for t in turns]
+        readable = sum(rule.features(x, "", "empathy")["readable"] for x in texts) / len(texts)
+        assert (readable >= want) if words else (readable < want), (words, readable, texts)
