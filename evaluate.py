@@ -264,15 +264,15 @@ def label_for(model: str, taken: set) -> str:
 
 def load_policy(model: str, seed: int):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from rollout import make_tiny_policy, resolve_model
+    from transformers import AutoModelForCausalLM
+    from rollout import load_tokenizer, make_tiny_policy, resolve_model
     from train import pick_attn_implementation
     if model == "tiny":
         policy, tok = make_tiny_policy(seed=seed, words=True)
     else:
         gpu = torch.cuda.is_available()
         model = resolve_model(model)  # 'smollm2' -> its cached HF directory
-        tok = AutoTokenizer.from_pretrained(model)
+        tok = load_tokenizer(model)
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16 if gpu else torch.float32,
                                                       attn_implementation=pick_attn_implementation())
         policy.to("cuda" if gpu else "cpu")

@@ -655,6 +655,22 @@ def make_tiny_word_tokenizer():
     return tok
 
 
+def load_tokenizer(path: str):
+    """AutoTokenizer.from_pretrained, except for a saved word-level demo tokenizer: transformers
+    5 maps a qwen2 config to Qwen2Tokenizer, which imposes a byte-level pre-tokenizer and
+    decoder on any tokenizer.json, so a tiny model trained with `make_tiny_word_tokenizer` would
+    read and write garbled text after reloading. That tokenizer.json is loaded as written."""
+    import json
+    import os
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    spec = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(spec):
+        with open(spec, encoding="utf-8") as f:
+            if json.load(f).get("model", {}).get("type") == "WordLevel":
+                return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def make_tiny_policy(seed: int = 0, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                      attn_implementation: str = "sdpa", words: bool = False):
     """(model, tokenizer): a random-init Qwen2-architecture causal LM sized for a CPU. The

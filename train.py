@@ -369,9 +369,9 @@ def pick_attn_implementation() -> str:
 def load_models(cfg: Config, dtype):
     """-> policy, tokenizer, critic (PPO only) and reference (kl_coef > 0 only)."""
     import copy
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from ppo import ValueModel
-    from rollout import make_tiny_policy, resolve_model
+    from rollout import load_tokenizer, make_tiny_policy, resolve_model
     attn = pick_attn_implementation()
     if cfg.model == "tiny":
         policy, tok = make_tiny_policy(seed=cfg.seed, words=True)  # word-level: readable dialogues
@@ -379,7 +379,7 @@ def load_models(cfg: Config, dtype):
         ref = copy.deepcopy(policy) if cfg.kl_coef > 0 else None
     else:
         path = resolve_model(cfg.model)  # 'smollm2' -> its cached HF directory
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = load_tokenizer(path)
         load = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)  # noqa: E731
         policy = load()
         critic = ValueModel.from_pretrained(resolve_model(cfg.critic_model) if cfg.critic_model else path,

@@ -121,6 +121,12 @@ def test_kill_mid_run_and_resume_matches_uninterrupted_run(tmp_path):
     tok = AutoTokenizer.from_pretrained(os.path.join(cut, "final"))
     AutoModelForCausalLM.from_pretrained(os.path.join(cut, "final"))
     assert "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    # The saved word-level demo tokenizer reloads as trained (AutoTokenizer alone would impose
+    # Qwen2's byte-level pre-tokenizer on it and garble every reply).
+    from rollout import load_tokenizer, make_tiny_word_tokenizer
+    words, text = load_tokenizer(os.path.join(cut, "final")), "That sounds hard. What happened?"
+    assert words.encode(text) == make_tiny_word_tokenizer().encode(text)
+    assert words.decode(words.encode(text)) == text
 
 
 # Measured for seeds 0-2 (tests/test_train.py settings): GRPO gains +0.06..+0.08, PPO +0.05..+0.06.
