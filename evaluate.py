@@ -200,6 +200,50 @@ def plot(results: dict[str, list[dict]], png: str, max_turns: int = 10):
 
 
 # --------------------------------------------------------------------------------------------
+# The agent's system prompt under test (--eval-prompt).
+# --------------------------------------------------------------------------------------------
+# SAGE's own evaluation gives the model under test a one-line "chat partner with high EQ"
+# prompt, not a task description like our training prompt; published Sentient scores come from
+# that protocol, and scores move a lot with the prompt, so the choice is named and recorded.
+# Our own words, one line per language.
+SAGE_PROMPTS = {
+    "en": "You are a warm, emotionally intelligent conversation partner; chat with the user naturally.",
+    "zh": "你是一个情商很高、温暖体贴的聊天伙伴，请自然地和用户聊天。",
+}
+# With --think the model must still know the think-then-say format, or every turn is a format
+# violation: the same instruction the training prompt gives, appended to the one-liner.
+THINK_FORMAT = {
+    "en": " Before each reply, think privately inside <think> and </think>; the user only sees what "
+          "comes after </think>. Format: <think>your thinking</think>your reply",
+    "zh": "每次回复前，先在<think>和</think>之间私下思考；对方只能看到</think>之后的内容。格式：<think>你的思考</think>你的回复",
+}
+
+
+def eval_prompt(choice: str, think: bool):
+    """--eval-prompt sage|train|PATH -> (function language -> system prompt, record for
+    summary.json). `train` is rollout.build_system_prompt; a file's text is used for every
+    language (plus the think format with --think). Raises ValueError naming the flag."""
+    from rollout import build_system_prompt
+    if choice == "train":
+        fn = lambda lang: build_system_prompt(think, lang)  # noqa: E731
+    else:
+        if choice == "sage":
+            texts = SAGE_PROMPTS
+        elif os.path.isfile(choice):
+            try:
+                text = open(choice, encoding="utf-8").read().strip()
+            except UnicodeDecodeError:
+                raise ValueError(f"--eval-prompt {choice}: not UTF-8 text") from None
+            if not text:
+                raise ValueError(f"--eval-prompt {choice}: the file is empty")
+            texts = {"en": text, "zh": text}
+        else:
+            raise ValueError(f"--eval-prompt {choice}: not 'sage', 'train' or an existing file")
+        fn = lambda lang: texts.get(lang, texts["en"]) + (THINK_FORMAT.get(lang, THINK_FORMAT["en"]) if think else "")  # noqa: E731
+    return fn, {"choice": choice, "en": fn("en"), "zh": fn("zh")}
+
+
+# --------------------------------------------------------------------------------------------
 # Playing the benchmark.
 # --------------------------------------------------------------------------------------------
 class CachedBackend:
@@ -298,7 +342,8 @@ def play(policy, tok, sim, scenarios, args, transcript_path: str, label: str, do
         chunk = todo[b:b + args.batch_size]
         # A seed per scenario batch: a resumed run samples what the first run would have.
         torch.manual_seed(args.seed * 1_000_003 + scenarios.index(chunk[0]))
-        batch = rollout(policy, tok, sim, chunk, 1, args.think, gen, compute_logprobs=False)
+        batch = rollout(policy, tok, sim, chunk, 1, args.think, gen, compute_logprobs=False,
+                        system_prompt=getattr(args, "system_prompt", None))
         with open(transcript_path, "a", encoding="utf-8") as f:
             for m in batch.metrics:
                 spoken = [split_think(t)[1] if args.think else t.strip() for t in m["agent_texts"]]
@@ -339,6 +384,9 @@ def main(argv=None):
     ap.add_argument("--scenarios", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "scenarios_test.jsonl"))
     ap.add_argument("--limit", type=int, default=None, help="only the first N scenarios")
     ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--eval-prompt", default="sage",
+                    help="the agent's system prompt: sage (SAGE-style one line, our words) | train (the training "
+                         "prompt) | PATH (a text file)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--user", default="standard", choices=["standard", "challenging"],
@@ -374,6 +422,7 @@ def main(argv=None):
     from train import InputError, check_model_arg, make_output_dir
     try:
         check_eval_args(args)
+        args.system_prompt, prompt_record = eval_prompt(args.eval_prompt, args.think)
         results = {}
         taken = set()
         for path in args.score:  # validate inputs before any heavy work
@@ -421,7 +470,7 @@ def main(argv=None):
         json.dump({"protocol": {"user": args.user, "initial_emotion": args.initial_emotion, "max_turns": args.max_turns,
                                 "think": args.think, "temperature": args.temperature, "seed": args.seed,
                                 "sampling": sampling_settings(GenConfig(temperature=args.temperature)),
-                                "max_new_tokens": args.max_new_tokens,
+                                "max_new_tokens": args.max_new_tokens, "eval_prompt": prompt_record,
                                 "scenarios": args.scenarios if args.model else None},
                    "results": summaries}, f, indent=1)
     plot(results, os.path.join(args.output_dir, "emotion_trajectories.png"), args.max_turns)

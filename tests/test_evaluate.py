@@ -273,3 +273,39 @@ def test_bad_score_files_are_one_line_errors(line, msg, tmp_path, capsys):
     assert main(["--score", str(p), "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert f"s.jsonl:2: " in err and msg in err and len(err.splitlines()) == 1, err
+
+
+# ---------------------------------------------------------------- issue 16: the paper's full evaluation
+def _systems_seen(monkeypatch):
+    """Record the system prompt of every dialogue the agent starts."""
+    import rollout
+    seen, orig = [], rollout.prompt_ids
+    def spy(tok, system, first_user):
+        seen.append(system)
+        return orig(tok, system, first_user)
+    monkeypatch.setattr(rollout, "prompt_ids", spy)
+    return seen
+
+
+@pytest.mark.parametrize("choice", ["sage", "train", "file"])
+def test_eval_prompt_choice_reaches_the_agent_and_the_summary(tmp_path, monkeypatch, choice):
+    """Item 5: the agent's prompt is a named choice (sage by default), recorded in summary.json."""
+    from evaluate import SAGE_PROMPTS
+    from rollout import build_system_prompt
+    seen = _systems_seen(monkeypatch)
+    want = {"sage": SAGE_PROMPTS["en"], "train": build_system_prompt(False, "en"), "file": "Be kind. Be brief."}[choice]
+    arg = []
+    if choice == "file":
+        (tmp_path / "p.txt").write_text(want + "\n")
+        arg = ["--eval-prompt", str(tmp_path / "p.txt")]
+    elif choice == "train":
+        arg = ["--eval-prompt", "train"]
+    assert main(SMALL + ["--limit", "2", "--max-turns", "1", "--output-dir", str(tmp_path / "o")] + arg) == 0
+    assert seen == [want, want]
+    rec = json.load(open(tmp_path / "o" / "summary.json"))["protocol"]["eval_prompt"]
+    assert rec["choice"] == (arg[1] if arg else "sage") and rec["en"] == want
+
+
+def test_eval_prompt_bad_value_is_one_line_error(tmp_path, capsys):
+    assert main(SMALL + ["--eval-prompt", str(tmp_path / "nope.txt"), "--output-dir", str(tmp_path)]) == 2
+    assert "--eval-prompt" in capsys.readouterr().err
