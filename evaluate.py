@@ -16,12 +16,20 @@ most 10 turns, with greedy decoding by default (or fixed-seed sampling). Reporte
         --scenarios path/to/test_profile.jsonl
     python evaluate.py --score other_system.jsonl --score eval/mine/transcripts.jsonl
     python evaluate.py --model runs/rlver/final --user challenging   # the paper's challenging user
+    python evaluate.py --model runs/rlver/final --scenarios data/chitchat_test.jsonl   # chit-chat (App. B.1)
+    python evaluate.py --model M --judge-base-url URL --judge-model deepseek-chat    # LLM judge (judge.py)
+
+The agent under test gets a one-line SAGE-style system prompt by default (--eval-prompt sage);
+--eval-prompt train gives it the training prompt, --eval-prompt FILE any text. Every dialogue is
+judged (judge.py): five capability scores 1-5 and strategy labels per agent turn, by an LLM
+(--judge-base-url) or offline by keyword rules (--judge rule, the default without a URL).
 
 Decoding uses only this script's settings (greedy, or --temperature with plain softmax sampling),
 never a checkpoint's generation_config.json; summary.json records the complete recipe.
 
 Outputs under --output-dir: <label>/transcripts.jsonl (one dialogue per line, with the emotion
-trace), summary.json, and emotion_trajectories.png. Resumable: finished dialogues are skipped on
+trace), <label>/judged.jsonl (the same with capability scores and strategy labels), summary.json,
+emotion_trajectories.png and strategies.png. Resumable: finished dialogues are skipped on
 a rerun, and every simulator call is cached on disk, so an interrupted evaluation never pays for
 the same call twice.
 """

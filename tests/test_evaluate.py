@@ -446,3 +446,39 @@ def test_judge_llm_without_url_is_one_line_error(tmp_path, capsys):
     assert "--judge llm needs --judge-base-url" in capsys.readouterr().err
     assert main(["--score", str(p), "--judge-tries", "0", "--output-dir", str(tmp_path)]) == 2
     assert "--judge-tries 0" in capsys.readouterr().err
+
+
+CHITCHAT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "chitchat_test.jsonl")
+
+
+def test_chitchat_set_and_its_simulator_prompt():
+    """Item 3: >= 20 English everyday-chat scenarios, every intention covered, hidden in the goal;
+    the simulator frames them as casual chat (not a problem), other scenarios are unchanged."""
+    from simulator import (CHITCHAT_GOALS, Scenario, Simulator, UserState, appraisal_messages, load_scenarios,
+                           reply_messages)
+    rows = load_scenarios(CHITCHAT)
+    assert len(rows) >= 20 and len({s.id for s in rows}) == len(rows)
+    assert {s.goal_type for s in rows} == set(CHITCHAT_GOALS)
+    assert all(s.language == "en" and s.first_message and s.hidden_goal for s in rows)
+    chat = rows[0]
+    support = Scenario(id="s", persona="p", background="b", hidden_goal="g", goal_type="advice")
+    for sc, casual in ((chat, True), (support, False)):
+        st = UserState(scenario=sc, emotion=40, history=[{"role": "user", "content": "hi"}])
+        for msgs in (appraisal_messages(st, "hello"), reply_messages(st, False)):
+            system = msgs[0]["content"]
+            assert ("casual, everyday chat" in system) == casual
+            assert ("something that has been bothering you" in system) == (not casual)
+            assert sc.hidden_goal in system
+    # the offline rule user plays them too
+    from simulator import RuleBackend
+    st = Simulator(RuleBackend(seed=0)).reset(chat)
+    assert st.history[0]["content"] == chat.first_message
+
+
+def test_chitchat_evaluation_runs_offline(tmp_path):
+    out = tmp_path / "chat"
+    assert main(SMALL + ["--scenarios", CHITCHAT, "--limit", "4", "--max-turns", "1", "--output-dir", str(out)]) == 0
+    s = json.load(open(out / "summary.json"))
+    assert s["protocol"]["scenarios"] == CHITCHAT and s["results"]["tiny"]["scored"] == 4
+    ids = [r["scenario_id"] for r in load_transcripts(str(out / "tiny" / "transcripts.jsonl"))]
+    assert ids == ["chat-001", "chat-002", "chat-003", "chat-004"]
