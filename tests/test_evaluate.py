@@ -482,3 +482,12 @@ def test_chitchat_evaluation_runs_offline(tmp_path):
     assert s["protocol"]["scenarios"] == CHITCHAT and s["results"]["tiny"]["scored"] == 4
     ids = [r["scenario_id"] for r in load_transcripts(str(out / "tiny" / "transcripts.jsonl"))]
     assert ids == ["chat-001", "chat-002", "chat-003", "chat-004"]
+
+
+def test_eval_prompt_with_think_keeps_the_format_instruction(tmp_path):
+    from evaluate import SAGE_PROMPTS, eval_prompt
+    from rollout import build_system_prompt
+    fn, rec = eval_prompt("sage", True)
+    assert fn("en").startswith(SAGE_PROMPTS["en"]) and "<think>" in fn("en") and "<think>" in rec["zh"]
+    assert eval_prompt("sage", False)[0]("zh") == SAGE_PROMPTS["zh"]
+    assert eval_prompt("train", True)[0]("zh") == build_system_prompt(True, "zh")
