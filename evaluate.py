@@ -16,12 +16,20 @@ most 10 turns, with greedy decoding by default (or fixed-seed sampling). Reporte
         --scenarios path/to/test_profile.jsonl
     python evaluate.py --score other_system.jsonl --score eval/mine/transcripts.jsonl
     python evaluate.py --model runs/rlver/final --user challenging   # the paper's challenging user
+    python evaluate.py --model runs/rlver/final --scenarios data/chitchat_test.jsonl   # chit-chat (App. B.1)
+    python evaluate.py --model M --judge-base-url URL --judge-model deepseek-chat    # LLM judge (judge.py)
+
+The agent under test gets a one-line SAGE-style system prompt by default (--eval-prompt sage);
+--eval-prompt train gives it the training prompt, --eval-prompt FILE any text. Every dialogue is
+judged (judge.py): five capability scores 1-5 and strategy labels per agent turn, by an LLM
+(--judge-base-url) or offline by keyword rules (--judge rule, the default without a URL).
 
 Decoding uses only this script's settings (greedy, or --temperature with plain softmax sampling),
 never a checkpoint's generation_config.json; summary.json records the complete recipe.
 
 Outputs under --output-dir: <label>/transcripts.jsonl (one dialogue per line, with the emotion
-trace), summary.json, and emotion_trajectories.png. Resumable: finished dialogues are skipped on
+trace), <label>/judged.jsonl (the same with capability scores and strategy labels), summary.json,
+emotion_trajectories.png and strategies.png. Resumable: finished dialogues are skipped on
 a rerun, and every simulator call is cached on disk, so an interrupted evaluation never pays for
 the same call twice.
 """
@@ -156,18 +164,43 @@ def resume_transcripts(path: str, replay_errors: bool = True) -> dict:
     return done
 
 
+# The capability columns (judge.py), shown when any model was judged.
+CAPABILITY_COLS = [("EmpDepth", "empathic_depth"), ("Insight", "core_insight"), ("Solution", "solution_crafting"),
+                   ("Guidance", "dialogue_guidance"), ("Style", "style_adaptability"), ("judged", "judged"),
+                   ("judge errors", "judge_errors")]
+
+
 def format_table(summaries: dict[str, dict]) -> str:
     cols = [("model", None), ("n", "scored"), ("Sentient", "sentient_score"), ("success", "success_rate"),
             ("failure", "failure_rate"), ("turns", "mean_turns"), ("reply chars", "mean_reply_length"),
             ("sim errors", "simulator_errors"), ("unscored", "unscored")]
     fmt = {"success_rate": "{:.1%}", "failure_rate": "{:.1%}", "sentient_score": "{:.1f}", "mean_turns": "{:.2f}",
            "mean_reply_length": "{:.0f}", "scored": "{}", "simulator_errors": "{}",
-           "unscored": "{}"}
-    rows = [[name] + ["-" if s[k] is None else fmt[k].format(s[k]) for _, k in cols[1:]]
+           "unscored": "{}", "judged": "{}", "judge_errors": "{}"}
+    if any("judged" in s for s in summaries.values()):
+        cols += CAPABILITY_COLS
+    rows = [[name] + ["-" if s.get(k) is None else fmt.get(k, "{:.2f}").format(s[k]) for _, k in cols[1:]]
             for name, s in summaries.items()]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, (c, _) in enumerate(cols)]
+    return render_table([c for c, _ in cols], rows)
+
+
+def render_table(head: list[str], rows: list[list[str]]) -> str:
+    """Aligned plain-text columns: the first left-aligned, the rest right-aligned."""
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    return "\n".join([line([c for c, _ in cols]), line(["-" * w for w in widths])] + [line(r) for r in rows])
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def format_strategy_table(stats: dict[str, dict]) -> str:
+    """One row per strategy: frequency and contribution SC(s) per model."""
+    from judge import STRATEGIES
+    models = [m for m, s in stats.items() if s]
+    head = ["strategy (family)"] + [f"{m} {c}" for m in models for c in ("freq", "SC")]
+    rows = [[f"{s} ({STRATEGIES[s][0]})"] + [
+        "-" if v is None else f.format(v) for m in models
+        for v, f in ((stats[m][s]["frequency"], "{:.1%}"), (stats[m][s]["contribution"], "{:+.2f}"))]
+        for s in STRATEGIES]
+    return render_table(head, rows)
 
 
 def plot(results: dict[str, list[dict]], png: str, max_turns: int = 10):
@@ -197,6 +230,50 @@ def plot(results: dict[str, list[dict]], png: str, max_turns: int = 10):
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------
+# The agent's system prompt under test (--eval-prompt).
+# --------------------------------------------------------------------------------------------
+# SAGE's own evaluation gives the model under test a one-line "chat partner with high EQ"
+# prompt, not a task description like our training prompt; published Sentient scores come from
+# that protocol, and scores move a lot with the prompt, so the choice is named and recorded.
+# Our own words, one line per language.
+SAGE_PROMPTS = {
+    "en": "You are a warm, emotionally intelligent conversation partner; chat with the user naturally.",
+    "zh": "你是一个情商很高、温暖体贴的聊天伙伴，请自然地和用户聊天。",
+}
+# With --think the model must still know the think-then-say format, or every turn is a format
+# violation: the same instruction the training prompt gives, appended to the one-liner.
+THINK_FORMAT = {
+    "en": " Before each reply, think privately inside <think> and </think>; the user only sees what "
+          "comes after </think>. Format: <think>your thinking</think>your reply",
+    "zh": "每次回复前，先在<think>和</think>之间私下思考；对方只能看到</think>之后的内容。格式：<think>你的思考</think>你的回复",
+}
+
+
+def eval_prompt(choice: str, think: bool):
+    """--eval-prompt sage|train|PATH -> (function language -> system prompt, record for
+    summary.json). `train` is rollout.build_system_prompt; a file's text is used for every
+    language (plus the think format with --think). Raises ValueError naming the flag."""
+    from rollout import build_system_prompt
+    if choice == "train":
+        fn = lambda lang: build_system_prompt(think, lang)  # noqa: E731
+    else:
+        if choice == "sage":
+            texts = SAGE_PROMPTS
+        elif os.path.isfile(choice):
+            try:
+                text = open(choice, encoding="utf-8").read().strip()
+            except UnicodeDecodeError:
+                raise ValueError(f"--eval-prompt {choice}: not UTF-8 text") from None
+            if not text:
+                raise ValueError(f"--eval-prompt {choice}: the file is empty")
+            texts = {"en": text, "zh": text}
+        else:
+            raise ValueError(f"--eval-prompt {choice}: not 'sage', 'train' or an existing file")
+        fn = lambda lang: texts.get(lang, texts["en"]) + (THINK_FORMAT.get(lang, THINK_FORMAT["en"]) if think else "")  # noqa: E731
+    return fn, {"choice": choice, "en": fn("en"), "zh": fn("zh")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,7 +375,8 @@ def play(policy, tok, sim, scenarios, args, transcript_path: str, label: str, do
         chunk = todo[b:b + args.batch_size]
         # A seed per scenario batch: a resumed run samples what the first run would have.
         torch.manual_seed(args.seed * 1_000_003 + scenarios.index(chunk[0]))
-        batch = rollout(policy, tok, sim, chunk, 1, args.think, gen, compute_logprobs=False)
+        batch = rollout(policy, tok, sim, chunk, 1, args.think, gen, compute_logprobs=False,
+                        system_prompt=getattr(args, "system_prompt", None))
         with open(transcript_path, "a", encoding="utf-8") as f:
             for m in batch.metrics:
                 spoken = [split_think(t)[1] if args.think else t.strip() for t in m["agent_texts"]]
@@ -313,6 +391,28 @@ def play(policy, tok, sim, scenarios, args, transcript_path: str, label: str, do
     return [done[s.id] for s in scenarios if s.id in done]
 
 
+def make_judge(args):
+    """--judge* flags -> a judge (judge.py) or None. The LLM judge's calls go through
+    CachedBackend (judge_cache.jsonl in --output-dir): a rerun replays every parsed answer.
+    Raises ValueError / ConnectionError (one line) before any heavy work."""
+    from judge import LLMJudge, RuleJudge
+    kind = args.judge if args.judge != "auto" else ("llm" if args.judge_base_url else "rule")
+    if kind == "none":
+        return None
+    if kind == "rule":
+        return RuleJudge()
+    if not args.judge_base_url or not args.judge_model:
+        raise ValueError("--judge llm needs --judge-base-url and --judge-model")
+    from simulator import OpenAIBackend
+    # Greedy judging: the same dialogue gets the same scores; room for five short evaluations.
+    backend = OpenAIBackend(args.judge_base_url, args.judge_model, args.judge_api_key_env, temperature=0.0,
+                            timeout=args.judge_timeout, max_tokens=1024)
+    backend.check()
+    os.makedirs(args.output_dir, exist_ok=True)
+    return LLMJudge(CachedBackend(backend, os.path.join(args.output_dir, "judge_cache.jsonl")),
+                    f"llm:{args.judge_model}", tries=args.judge_tries)
+
+
 def check_eval_args(args):
     """Flag values a run cannot mean: one line naming the flag (raised before any heavy work)."""
     from train import InputError
@@ -323,11 +423,13 @@ def check_eval_args(args):
                      ("--initial-emotion", 0 <= args.initial_emotion <= 100),
                      ("--temperature", args.temperature >= 0),
                      ("--simulator-timeout", args.simulator_timeout > 0),
-                     ("--simulator-call-budget", args.simulator_call_budget > 0)):
+                     ("--simulator-call-budget", args.simulator_call_budget > 0),
+                     ("--judge-timeout", args.judge_timeout > 0), ("--judge-tries", args.judge_tries >= 1),
+                     ("--judge-workers", args.judge_workers >= 1)):
         if not ok:
             value = getattr(args, flag[2:].replace("-", "_"))
             need = "in [0, 100]" if flag == "--initial-emotion" else ">= 0" if flag == "--temperature" \
-                else "> 0" if flag.startswith("--simulator") else ">= 1"
+                else "> 0" if flag in ("--simulator-timeout", "--simulator-call-budget", "--judge-timeout") else ">= 1"
             raise InputError(f"{flag} {value}: must be {need}")
 
 
@@ -339,6 +441,9 @@ def main(argv=None):
     ap.add_argument("--scenarios", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "scenarios_test.jsonl"))
     ap.add_argument("--limit", type=int, default=None, help="only the first N scenarios")
     ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--eval-prompt", default="sage",
+                    help="the agent's system prompt: sage (SAGE-style one line, our words) | train (the training "
+                         "prompt) | PATH (a text file)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--user", default="standard", choices=["standard", "challenging"],
@@ -360,6 +465,15 @@ def main(argv=None):
                     help="seconds one simulator call may take with all its retries")
     ap.add_argument("--replay-errors", action=argparse.BooleanOptionalAction, default=True,
                     help="on a rerun, play simulator_error dialogues again")
+    ap.add_argument("--judge", default="auto", choices=["auto", "rule", "llm", "none"],
+                    help="capability scores and strategy labels (judge.py): llm = --judge-base-url endpoint, "
+                         "rule = offline keyword judge; auto = llm when a URL is given, else rule")
+    ap.add_argument("--judge-base-url", default="", help="OpenAI-compatible endpoint of the LLM judge")
+    ap.add_argument("--judge-model", default="")
+    ap.add_argument("--judge-api-key-env", default="OPENAI_API_KEY", help="environment variable holding its key")
+    ap.add_argument("--judge-timeout", type=float, default=120.0, help="seconds per judge request")
+    ap.add_argument("--judge-tries", type=int, default=3, help="tries per judgement before it counts as an error")
+    ap.add_argument("--judge-workers", type=int, default=8, help="judge calls in flight at once")
     ap.add_argument("--output-dir", default="eval")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -374,6 +488,7 @@ def main(argv=None):
     from train import InputError, check_model_arg, make_output_dir
     try:
         check_eval_args(args)
+        args.system_prompt, prompt_record = eval_prompt(args.eval_prompt, args.think)
         results = {}
         taken = set()
         for path in args.score:  # validate inputs before any heavy work
@@ -393,6 +508,7 @@ def main(argv=None):
                                               args.replay_errors) for label in labels}
         else:
             make_output_dir("--output-dir", args.output_dir)
+        judge = make_judge(args)
     except (ScenarioError, ValueError, ConnectionError, InputError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
@@ -413,18 +529,37 @@ def main(argv=None):
         if isinstance(backend, CachedBackend):
             log.info("simulator calls: %d made, %d replayed from cache", backend.misses, backend.hits)
 
-    summaries = {name: {**summarize(recs), **retries.get(name, {})} for name, recs in results.items()}
+    from judge import capability_summary, judge_all, plot_strategies, strategy_stats
+    if judge is not None:
+        for name, recs in results.items():
+            judge_all(recs, judge, args.judge_workers)
+            os.makedirs(os.path.join(args.output_dir, name), exist_ok=True)
+            with open(os.path.join(args.output_dir, name, "judged.jsonl"), "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
+        if isinstance(getattr(judge, "backend", None), CachedBackend):
+            log.info("judge calls: %d made, %d replayed from cache; %d retries", judge.backend.misses,
+                     judge.backend.hits, judge.retries)
+    # Judged --score files carry their judgements (and strategy labels) even with --judge none.
+    strategies = {name: strategy_stats(recs) for name, recs in results.items()}
+    summaries = {name: {**summarize(recs), **retries.get(name, {}), **capability_summary(recs)}
+                 for name, recs in results.items()}
     print(format_table(summaries))
+    if any(strategies.values()):
+        print()
+        print(format_strategy_table(strategies))
     from rollout import GenConfig, sampling_settings
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
         # The sampling recipe is complete: the models' own generation_config.json is never used.
         json.dump({"protocol": {"user": args.user, "initial_emotion": args.initial_emotion, "max_turns": args.max_turns,
                                 "think": args.think, "temperature": args.temperature, "seed": args.seed,
                                 "sampling": sampling_settings(GenConfig(temperature=args.temperature)),
-                                "max_new_tokens": args.max_new_tokens,
+                                "max_new_tokens": args.max_new_tokens, "eval_prompt": prompt_record,
                                 "scenarios": args.scenarios if args.model else None},
-                   "results": summaries}, f, indent=1)
+                   "judge": None if judge is None else judge.name,
+                   "results": summaries, "strategies": strategies}, f, indent=1)
     plot(results, os.path.join(args.output_dir, "emotion_trajectories.png"), args.max_turns)
+    if any(strategies.values()):
+        plot_strategies(strategies, os.path.join(args.output_dir, "strategies.png"))
     return 0
 
 

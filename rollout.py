@@ -396,7 +396,8 @@ def generate_turn(policy, contexts: list[list[int]], cfg: GenConfig, eos_id: int
 # --------------------------------------------------------------------------------------------
 def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think: bool = True,
             gen_cfg: GenConfig | None = None, ref_model=None, compute_logprobs: bool = True,
-            progress=None, generate_kwargs: dict | None = None, any_active=None) -> Batch:
+            progress=None, generate_kwargs: dict | None = None, any_active=None,
+            system_prompt=None) -> Batch:
     """Play len(scenarios) x group_size dialogues to the end and return a right-padded Batch.
 
     Dialogues that end in `simulator_error` are reported in `metrics` (valid=False) and left out
@@ -404,7 +405,8 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
     to `generate` (train.py passes synced_gpus under FSDP). `any_active(local: bool) -> bool`
     (several processes under FSDP) says whether any process still has dialogues running: a
     process whose dialogues all ended keeps joining each turn's generate with a dummy prompt,
-    since every generate is a collective and a missing process would deadlock the others."""
+    since every generate is a collective and a missing process would deadlock the others.
+    `system_prompt(language) -> str` replaces the training prompt (evaluate.py --eval-prompt)."""
     cfg = gen_cfg or GenConfig()
     eos_id = end_of_turn_id(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
@@ -416,7 +418,8 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
         for _ in range(group_size):
             states.append(dataclasses.replace(st, history=list(st.history), trace=list(st.trace)))
             groups.append(g)
-            systems.append(build_system_prompt(think, st.scenario.language))
+            systems.append(system_prompt(st.scenario.language) if system_prompt
+                           else build_system_prompt(think, st.scenario.language))
     D = len(states)
     ctx = [prompt_ids(tokenizer, systems[i], s.history[0]["content"]) if s.history else []
            for i, s in enumerate(states)]

@@ -51,6 +51,14 @@ GOAL_TYPES = {
     "self_reflection": "rational", "empathy": "emotional", "venting": "emotional",
     "praise": "emotional", "validation": "emotional",
 }
+# Chit-chat (SAGE's extension, RLVER App. B.1): everyday talk, no problem to solve; the hidden
+# goal is an intention for the chat. These goal types switch the simulator to CHITCHAT_PROMPTS.
+CHITCHAT_GOALS = {
+    "interest_chat": "wants to talk about something they are into and find a partner who gets excited too",
+    "passive_chat": "answers briefly and waits for the other person to carry the conversation",
+    "sharing_chat": "wants to tell about something that happened to them and have it appreciated",
+    "opinion_chat": "wants a lively exchange of views, including some friendly disagreement",
+}
 PERSONALITY_TYPES = ("negative", "passive", "avoidant")
 # The official files name the 8 goals with fixed Chinese sentences and the personalities in Chinese.
 OFFICIAL_TASKS = {
@@ -134,8 +142,8 @@ def scenario_from_dict(row: dict, where: str = "<dict>") -> Scenario:
         raise ScenarioError(f"{where}: max_turns must be >= 1")
     if row.get("language", "en") not in ("en", "zh"):
         raise ScenarioError(f"{where}: language must be 'en' or 'zh', got {row['language']!r}")
-    if row.get("goal_type", "") not in ("", *GOAL_TYPES):
-        raise ScenarioError(f"{where}: goal_type must be one of {sorted(GOAL_TYPES)}")
+    if row.get("goal_type", "") not in ("", *GOAL_TYPES, *CHITCHAT_GOALS):
+        raise ScenarioError(f"{where}: goal_type must be one of {sorted(GOAL_TYPES) + sorted(CHITCHAT_GOALS)}")
     if row.get("personality_type", "") not in ("", *PERSONALITY_TYPES):
         raise ScenarioError(f"{where}: personality_type must be one of {PERSONALITY_TYPES}")
     traits = row.get("traits", [])
@@ -378,6 +386,28 @@ CHALLENGING_PROMPTS = {
 }
 
 
+# Chit-chat variant: replaces only the framing ("common") of PROMPTS; appraisal, reply and output
+# formats stay the same, so parsing and the Simulator are unchanged.
+CHITCHAT_PROMPTS = {
+    "en": {"common": (
+        "# Your role\nYou are role-playing a real person having a casual, everyday chat with a friend. "
+        "Nothing is wrong; there is no problem to solve. Stay in character at all times; you are not an "
+        "assistant.\n"
+        "# Your intention\nYou have an intention for this chat, but you never say it outright: {hidden_goal}\n"
+        "# Emotion\nYour emotion is a number from 0 (bored stiff, you want to leave) to 100 (you are "
+        "really enjoying this chat). It goes up when the friend is engaged, curious, fun and matches "
+        "your intention; it goes down when the reply is dull, generic, preachy, treats you as if you had "
+        "a problem, talks like a therapist or an assistant, or ignores what you said. {personality}\n"
+        "# Persona\n{persona}\n# Background\n{background}\n")},
+    "zh": {"common": (
+        "# 你的角色\n你在扮演一个真实的人，和朋友随意地闲聊日常。没有什么问题需要解决。始终保持角色，你不是助手。\n"
+        "# 你的意图\n你对这次闲聊有一个意图，但从不直接说出来：{hidden_goal}\n"
+        "# 情绪\n你的情绪是0（无聊透顶，想离开）到100（非常享受这次聊天）之间的数。朋友投入、好奇、有趣并契合你的意图时上升；"
+        "回复乏味、空泛、说教、把你当成有问题的人、像咨询师或助手一样说话、或忽略你说的话时下降。{personality}\n"
+        "# 人设\n{persona}\n# 背景\n{background}\n")},
+}
+
+
 def prompts_for(language: str, user: str = "standard") -> dict:
     """The prompt texts of one language for one simulated user (USERS)."""
     return {**PROMPTS[language], **CHALLENGING_PROMPTS[language]} if user == "challenging" else PROMPTS[language]
@@ -385,6 +415,8 @@ def prompts_for(language: str, user: str = "standard") -> dict:
 
 def _system(sc: Scenario, task: str, user: str = "standard", **kw) -> str:
     p = prompts_for(sc.language, user)
+    if sc.goal_type in CHITCHAT_GOALS:
+        p = {**p, **CHITCHAT_PROMPTS[sc.language]}
     return (p["common"].format(hidden_goal=sc.hidden_goal, persona=sc.persona,
                                background=sc.background,
                                personality=p["personality"].get(sc.personality_type, ""))
@@ -809,6 +841,12 @@ _REPLIES = {
            4: ["嗯，这样说挺有道理的。", "谢谢，我轻松了一点。", "说实话，这有帮助。"],
            5: ["你真的懂我，谢谢。", "我感觉好多了。", "这正是我需要的。"]},
 }
+_GOAL_WORDS.update({  # chit-chat intentions (CHITCHAT_GOALS)
+    "interest_chat": ["love", "favorite", "favourite", "cool", "which", "tell me more", "me too", "喜欢", "也"],
+    "passive_chat": ["what about", "have you", "did you", "guess what", "i've been", "最近", "你呢"],
+    "sharing_chat": ["wow", "amazing", "what happened", "then what", "congrat", "how did", "哇", "然后呢"],
+    "opinion_chat": ["i think", "i disagree", "but", "why do you", "fair point", "我觉得", "不过"],
+})
 _GOAL_HINTS = {
     "en": {"advice": "What would you actually do?", "analyze_others": "Why would they do that?",
            "dialectical": "Am I missing another side?", "self_reflection": "Was any of it on me?",

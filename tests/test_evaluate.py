@@ -273,3 +273,221 @@ def test_bad_score_files_are_one_line_errors(line, msg, tmp_path, capsys):
     assert main(["--score", str(p), "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert f"s.jsonl:2: " in err and msg in err and len(err.splitlines()) == 1, err
+
+
+# ---------------------------------------------------------------- issue 16: the paper's full evaluation
+def _systems_seen(monkeypatch):
+    """Record the system prompt of every dialogue the agent starts."""
+    import rollout
+    seen, orig = [], rollout.prompt_ids
+    def spy(tok, system, first_user):
+        seen.append(system)
+        return orig(tok, system, first_user)
+    monkeypatch.setattr(rollout, "prompt_ids", spy)
+    return seen
+
+
+@pytest.mark.parametrize("choice", ["sage", "train", "file"])
+def test_eval_prompt_choice_reaches_the_agent_and_the_summary(tmp_path, monkeypatch, choice):
+    """Item 5: the agent's prompt is a named choice (sage by default), recorded in summary.json."""
+    from evaluate import SAGE_PROMPTS
+    from rollout import build_system_prompt
+    seen = _systems_seen(monkeypatch)
+    want = {"sage": SAGE_PROMPTS["en"], "train": build_system_prompt(False, "en"), "file": "Be kind. Be brief."}[choice]
+    arg = []
+    if choice == "file":
+        (tmp_path / "p.txt").write_text(want + "\n")
+        arg = ["--eval-prompt", str(tmp_path / "p.txt")]
+    elif choice == "train":
+        arg = ["--eval-prompt", "train"]
+    assert main(SMALL + ["--limit", "2", "--max-turns", "1", "--output-dir", str(tmp_path / "o")] + arg) == 0
+    assert seen == [want, want]
+    rec = json.load(open(tmp_path / "o" / "summary.json"))["protocol"]["eval_prompt"]
+    assert rec["choice"] == (arg[1] if arg else "sage") and rec["en"] == want
+
+
+def test_eval_prompt_bad_value_is_one_line_error(tmp_path, capsys):
+    assert main(SMALL + ["--eval-prompt", str(tmp_path / "nope.txt"), "--output-dir", str(tmp_path)]) == 2
+    assert "--eval-prompt" in capsys.readouterr().err
+
+
+def _dialogue(sid, replies, users=None, trace=None):
+    users = users or [f"I feel awful about my exam, turn {i}" for i in range(len(replies))]
+    hist = []
+    for u, a in zip(users, replies):
+        hist += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+    trace = trace or [40] * (len(replies) + 1)
+    return {"scenario_id": sid, "emotion": trace[-1], "outcome": "max_turns", "turns": len(replies),
+            "emotion_trace": trace, "history": hist}
+
+
+CARING = ["That sounds really hard, it makes sense you feel awful about the exam. What happened?",
+          "You worked hard for that exam. Maybe you could try talking to your teacher about a plan?",
+          "I'm here for you. How are you feeling about the next exam now?"]
+CARELESS = ["ok", "ok", "ok"]
+
+
+def test_rule_judge_scores_caring_above_careless_and_is_deterministic():
+    from judge import DIMENSIONS, RuleJudge, rule_labels
+    j = RuleJudge()
+    good, bad = j.judge_record(_dialogue("g", CARING)), j.judge_record(_dialogue("b", CARELESS))
+    assert good == RuleJudge().judge_record(_dialogue("g", CARING))
+    assert all(1 <= good["capability"][d] <= 5 and 1 <= bad["capability"][d] <= 5 for d in DIMENSIONS)
+    for d in ("empathic_depth", "core_insight", "solution_crafting", "dialogue_guidance"):
+        assert good["capability"][d] > bad["capability"][d], d
+    assert bad["capability"]["empathic_depth"] == 1 and bad["strategies"] == [[], [], []]
+    assert rule_labels("You could try a walk?", "") == ["questioning", "advice"]
+    assert "validation" in good["strategies"][0] and "reflection" in good["strategies"][0]
+
+
+def test_parse_judgement_is_strict():
+    from judge import DIMENSIONS, parse_judgement
+    full = {d: {"evaluation": "fine", "score": 3} for d in DIMENSIONS}
+    assert parse_judgement(json.dumps(full)) == {d: 3 for d in DIMENSIONS}
+    named = {"Empathic Depth": 5, "Core Insight": "4", "Solution Crafting": 3.0, "Dialogue Guidance": 2,
+             "Style Adaptability": {"score": 1}}
+    assert parse_judgement("```json\n" + json.dumps(named) + "\n```") == dict(zip(DIMENSIONS, [5, 4, 3, 2, 1]))
+    for bad in (0, 6, 3.5, True, None, "3/5", float("nan")):
+        assert parse_judgement(json.dumps({**full, "core_insight": {"score": bad}})) is None, bad
+    assert parse_judgement(json.dumps({d: 3 for d in DIMENSIONS[:4]})) is None
+    assert parse_judgement("great dialogue, 5/5") is None
+
+
+def test_strategy_frequency_and_contribution_exact():
+    from judge import strategy_stats
+    r1 = {**_dialogue("a", ["x", "y", "z"], trace=[40, 45, 43, 53]), "strategies": [["validation"], ["advice"],
+                                                                                   ["validation", "advice"]]}
+    # the second dialogue's last turn was never appraised: it counts in frequency, not in SC
+    r2 = {**_dialogue("b", ["u", "v"], trace=[40, 30]), "strategies": [["advice"], ["questioning"]]}
+    s = strategy_stats([r1, r2, {**r1, "outcome": "simulator_error"}])
+    assert s["validation"]["frequency"] == 2 / 5 and s["validation"]["contribution"] == (5 + 10) / 2
+    assert s["advice"]["frequency"] == 3 / 5 and s["advice"]["contribution"] == (-2 + 10 - 10) / 3
+    assert s["questioning"] == {"family": "exploratory", "turns": 1, "frequency": 1 / 5, "contribution": None}
+    assert s["reframing"]["frequency"] == 0 and s["reframing"]["contribution"] is None
+
+
+def judge_server(messages):
+    """A fake LLM judge: scores from a hash of the conversation; never-parseable for 'BROKEN'."""
+    import hashlib
+    from fake_openai import default_user
+    system, convo = messages[0]["content"], messages[-1]["content"]
+    if "BROKEN" in convo:
+        return "I would rate this dialogue quite highly overall."
+    h = int(hashlib.sha256(convo.encode()).hexdigest(), 16)
+    from judge import DIMENSIONS
+    if system.startswith("You evaluate"):
+        return json.dumps({d: {"evaluation": "ok", "score": 1 + (h >> (3 * i)) % 5} for i, d in enumerate(DIMENSIONS)})
+    if system.startswith("You label"):
+        n = convo.count("SUPPORTER [")
+        return json.dumps({"turns": [["validation", "questioning"] if (h >> k) & 1 else ["advice"] for k in range(n)]})
+    return default_user(messages)
+
+
+def test_llm_judge_on_fake_server_with_faults(tmp_path, monkeypatch, caplog):
+    """Item 1: the LLM judge through the local chat-completions server. 40% of answers are faults
+    (500, 429, garbage, blank, NaN, lists, ...): the scores equal a fault-free run's exactly. A
+    dialogue the judge never answers parseably is counted in judge_errors and left out of the
+    means, never scored. A rerun replays every judgement from the cache; the key is never logged."""
+    caplog.set_level(logging.INFO)
+    monkeypatch.setenv("JUDGE_KEY", "sk-secret-123")
+    recs = [_dialogue("a", CARING, trace=[40, 50, 55, 70]), _dialogue("b", CARELESS, trace=[40, 35, 30, 20]),
+            _dialogue("c", ["BROKEN reply", "again"], trace=[40, 41, 42])]
+    p = tmp_path / "sys.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summ = {}
+    for mode, kw in (("clean", {}), ("faulty", {"fault_rate": 0.4})):
+        with FakeOpenAIServer(responder=judge_server, **kw) as srv:
+            args = ["--score", str(p), "--judge-base-url", srv.base_url, "--judge-model", "fake",
+                    "--judge-api-key-env", "JUDGE_KEY", "--judge-tries", "3", "--judge-timeout", "5",
+                    "--output-dir", str(tmp_path / mode)]
+            assert main(args) == 0
+            n = len(srv.requests)
+            assert main(args) == 0
+            # the rerun pays only the BROKEN dialogue's (failed, never cached) calls again
+            assert len(srv.requests) - n == 2 * 3
+            assert all(r["auth"] == "Bearer sk-secret-123" for r in srv.requests)
+        summ[mode] = json.load(open(tmp_path / mode / "summary.json"))
+        judged = load_transcripts(str(tmp_path / mode / "sys" / "judged.jsonl"))
+        assert [r["capability"] is None for r in judged] == [False, False, True]
+        assert judged[2]["judge_error"].startswith("unparseable")
+    assert summ["clean"]["results"] == summ["faulty"]["results"]
+    assert summ["clean"]["strategies"] == summ["faulty"]["strategies"]
+    res = summ["clean"]["results"]["sys"]
+    assert res["judged"] == 2 and res["judge_errors"] == 1 and summ["clean"]["judge"] == "llm:fake"
+    caps = [r["capability"] for r in judged[:2]]
+    assert res["empathic_depth"] == (caps[0]["empathic_depth"] + caps[1]["empathic_depth"]) / 2
+    assert "sk-secret-123" not in caplog.text
+
+
+def test_tiny_run_with_rule_judge_and_score_of_judged_file(tmp_path, capsys):
+    """Items 1, 2, 6: the offline path judges every dialogue, the table and summary.json gain
+    the capability columns and strategy statistics, a strategy chart is drawn, and --score of
+    the judged file (without judging again) reproduces the same columns."""
+    out = tmp_path / "o"
+    assert main(SMALL + ["--limit", "3", "--output-dir", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "EmpDepth" in text and "validation (affective)" in text
+    s = json.load(open(out / "summary.json"))
+    assert s["judge"] == "rule" and s["results"]["tiny"]["judged"] == 3
+    assert set(s["strategies"]["tiny"]) == {"validation", "reassurance", "questioning", "reflection", "reframing",
+                                            "advice", "sharing"}
+    assert os.path.getsize(out / "strategies.png") > 1000
+    assert main(["--score", str(out / "tiny" / "judged.jsonl"), "--judge", "none", "--output-dir", str(tmp_path / "s")]) == 0
+    s2 = json.load(open(tmp_path / "s" / "summary.json"))
+    for k in ("judged", "judge_errors", "empathic_depth", "style_adaptability"):
+        assert s2["results"]["judged"][k] == s["results"]["tiny"][k]
+    assert s2["strategies"]["judged"] == s["strategies"]["tiny"]
+
+
+def test_judge_llm_without_url_is_one_line_error(tmp_path, capsys):
+    p = tmp_path / "h.jsonl"
+    p.write_text(json.dumps(HAND_MADE[0]) + "\n")
+    assert main(["--score", str(p), "--judge", "llm", "--output-dir", str(tmp_path)]) == 2
+    assert "--judge llm needs --judge-base-url" in capsys.readouterr().err
+    assert main(["--score", str(p), "--judge-tries", "0", "--output-dir", str(tmp_path)]) == 2
+    assert "--judge-tries 0" in capsys.readouterr().err
+
+
+CHITCHAT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "chitchat_test.jsonl")
+
+
+def test_chitchat_set_and_its_simulator_prompt():
+    """Item 3: >= 20 English everyday-chat scenarios, every intention covered, hidden in the goal;
+    the simulator frames them as casual chat (not a problem), other scenarios are unchanged."""
+    from simulator import (CHITCHAT_GOALS, Scenario, Simulator, UserState, appraisal_messages, load_scenarios,
+                           reply_messages)
+    rows = load_scenarios(CHITCHAT)
+    assert len(rows) >= 20 and len({s.id for s in rows}) == len(rows)
+    assert {s.goal_type for s in rows} == set(CHITCHAT_GOALS)
+    assert all(s.language == "en" and s.first_message and s.hidden_goal for s in rows)
+    chat = rows[0]
+    support = Scenario(id="s", persona="p", background="b", hidden_goal="g", goal_type="advice")
+    for sc, casual in ((chat, True), (support, False)):
+        st = UserState(scenario=sc, emotion=40, history=[{"role": "user", "content": "hi"}])
+        for msgs in (appraisal_messages(st, "hello"), reply_messages(st, False)):
+            system = msgs[0]["content"]
+            assert ("casual, everyday chat" in system) == casual
+            assert ("something that has been bothering you" in system) == (not casual)
+            assert sc.hidden_goal in system
+    # the offline rule user plays them too
+    from simulator import RuleBackend
+    st = Simulator(RuleBackend(seed=0)).reset(chat)
+    assert st.history[0]["content"] == chat.first_message
+
+
+def test_chitchat_evaluation_runs_offline(tmp_path):
+    out = tmp_path / "chat"
+    assert main(SMALL + ["--scenarios", CHITCHAT, "--limit", "4", "--max-turns", "1", "--output-dir", str(out)]) == 0
+    s = json.load(open(out / "summary.json"))
+    assert s["protocol"]["scenarios"] == CHITCHAT and s["results"]["tiny"]["scored"] == 4
+    ids = [r["scenario_id"] for r in load_transcripts(str(out / "tiny" / "transcripts.jsonl"))]
+    assert ids == ["chat-001", "chat-002", "chat-003", "chat-004"]
+
+
+def test_eval_prompt_with_think_keeps_the_format_instruction(tmp_path):
+    from evaluate import SAGE_PROMPTS, eval_prompt
+    from rollout import build_system_prompt
+    fn, rec = eval_prompt("sage", True)
+    assert fn("en").startswith(SAGE_PROMPTS["en"]) and "<think>" in fn("en") and "<think>" in rec["zh"]
+    assert eval_prompt("sage", False)[0]("zh") == SAGE_PROMPTS["zh"]
+    assert eval_prompt("train", True)[0]("zh") == build_system_prompt(True, "zh")
