@@ -366,8 +366,9 @@ def pick_attn_implementation() -> str:
     return "flash_attention_2" if torch.cuda.is_available() and is_flash_attn_2_available() else "sdpa"
 
 
-def load_models(cfg: Config, dtype):
-    """-> policy, tokenizer, critic (PPO only) and reference (kl_coef > 0 only)."""
+def load_models(cfg: Config, dtype, train_dtype=None):
+    """-> policy, tokenizer, critic (PPO only) and reference (kl_coef > 0 only). The trained
+    models load in `train_dtype` (default `dtype`), the frozen reference in `dtype`."""
     import copy
     from transformers import AutoModelForCausalLM
     from ppo import ValueModel
@@ -380,12 +381,12 @@ def load_models(cfg: Config, dtype):
     else:
         path = resolve_model(cfg.model)  # 'smollm2' -> its cached HF directory
         tok = load_tokenizer(path)
-        load = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)  # noqa: E731
-        policy = load()
+        load = lambda dt: AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn)  # noqa: E731
+        policy = load(train_dtype or dtype)
         critic = ValueModel.from_pretrained(resolve_model(cfg.critic_model) if cfg.critic_model else path,
-                                            dtype=dtype, attn_implementation=attn) \
+                                            dtype=train_dtype or dtype, attn_implementation=attn) \
             if cfg.algo == "ppo" else None
-        ref = load() if cfg.kl_coef > 0 else None
+        ref = load(dtype) if cfg.kl_coef > 0 else None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     if ref is not None:
@@ -419,7 +420,7 @@ def check_launch(accelerator):
                          "set fsdp_config.fsdp_version: 2 (FSDP2, as configs/fsdp_8gpu.yaml)")
 
 
-def make_generation_copy(model, device):
+def make_generation_copy(model, device, dtype):
     """An unsharded copy of the policy for generation (built once; refreshed every rollout).
 
     Why: FSDP keeps 1/N of every weight on each GPU. Calling `generate` on the sharded model
@@ -429,10 +430,13 @@ def make_generation_copy(model, device):
     into a plain copy costs one all-gather per tensor, and then every process generates alone,
     with no collectives, at single-GPU speed. The price: one full policy per GPU (about 15 GB
     for a 7B model in bf16); `--no-gather-for-generation` falls back to sharded generation."""
+    import copy as cp
     import torch
     from transformers import AutoModelForCausalLM
-    with torch.device(device):  # built in the training dtype, directly on the GPU
-        copy = AutoModelForCausalLM.from_config(model.config, dtype=next(model.parameters()).dtype)
+    # In the compute dtype (bf16 on GPU; the FSDP master weights are fp32), directly on the GPU;
+    # from a copy of the config (from_config would otherwise rewrite the policy's config.dtype).
+    with torch.device(device):
+        copy = AutoModelForCausalLM.from_config(cp.deepcopy(model.config), dtype=dtype)
     copy.generation_config = model.generation_config
     return copy.requires_grad_(False).eval()
 
@@ -470,8 +474,10 @@ def generation_mode(accelerator, model):
         unwrapped.gradient_checkpointing_disable()
     try:
         if accelerator.distributed_type == DistributedType.FSDP:
-            from torch.distributed.fsdp import register_fsdp_forward_method
-            register_fsdp_forward_method(model, "generate")
+            if not getattr(model, "_generate_registered", False):  # once: it wraps `generate`
+                from torch.distributed.fsdp import register_fsdp_forward_method
+                register_fsdp_forward_method(model, "generate")
+                model._generate_registered = True
             yield model, {"synced_gpus": accelerator.num_processes > 1}
         else:
             yield unwrapped, {}
@@ -610,14 +616,22 @@ def train(cfg: Config) -> dict:
     from rollout import GenConfig, add_logprobs, rollout, rollout_stats
 
     mp = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
-    accelerator = Accelerator(mixed_precision=mp, log_with=trackers(cfg), project_dir=cfg.output_dir)
+    # step_scheduler_with_optimizer=False: a prepared scheduler otherwise advances once per
+    # PROCESS at each step (accelerate assumes the data loader's batch grew with the process
+    # count), which would make the warmup N times shorter on N processes.
+    accelerator = Accelerator(mixed_precision=mp, log_with=trackers(cfg), project_dir=cfg.output_dir,
+                              step_scheduler_with_optimizer=False)
     set_seed(cfg.seed, device_specific=True)
     check_launch(accelerator)
     if cfg.batch_size % accelerator.num_processes:
         raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes "
                          f"({accelerator.num_processes})")
     dtype = torch.bfloat16 if mp == "bf16" else torch.float32
-    policy, tok, critic, ref, attn = load_models(cfg, dtype)
+    # Mixed precision keeps fp32 master weights: with bf16 weights AdamW's small updates (lr 1e-6
+    # on weights ~1e-2) would round away. FSDP2 loads in bf16 (half the host memory while loading)
+    # and accelerate upcasts the sharded trainable weights to fp32; otherwise load in fp32.
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    policy, tok, critic, ref, attn = load_models(cfg, dtype, train_dtype=dtype if fsdp else torch.float32)
     if accelerator.is_main_process:
         log.info("policy %s | attention: %s | precision: %s | processes: %d | simulator: %r | user: %s",
                  cfg.model, attn, mp, accelerator.num_processes, backend, cfg.user)
@@ -630,7 +644,6 @@ def train(cfg: Config) -> dict:
         return lambda s: min(1.0, (s + 1) / w) if w else 1.0
     # Fused AdamW: one kernel over all parameters (7x faster than the per-tensor loop on CPU,
     # and faster on GPU); FSDP's sharded parameters take the multi-tensor (foreach) version.
-    fsdp = accelerator.distributed_type == DistributedType.FSDP
     adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.0,  # noqa: E731
                                                  **({"foreach": True} if fsdp else {"fused": True}))
     actor_opt = adamw(policy.parameters(), cfg.actor_lr)
@@ -648,10 +661,13 @@ def train(cfg: Config) -> dict:
 
     gen_copy = None  # built before resuming: its random init must not shift the restored RNG
     if fsdp and cfg.gather_for_generation:
-        gen_copy = make_generation_copy(accelerator.unwrap_model(policy), accelerator.device)
+        gen_copy = make_generation_copy(accelerator.unwrap_model(policy), accelerator.device, dtype)
 
     start = 0
     resume = find_resume(cfg)
+    if accelerator.num_processes > 1:  # the main process decides (file systems may lag)
+        from accelerate.utils import broadcast_object_list
+        resume = broadcast_object_list([resume])[0]
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
     if resume:
         accelerator.load_state(resume)

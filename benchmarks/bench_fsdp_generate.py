@@ -50,7 +50,7 @@ def worker(args):
     # Low start, so dialogues end at different turns on the two processes (as in training).
     sim = Simulator(RuleBackend(seed=0), initial_emotion=args.initial_emotion, max_turns=args.turns)
     gc = GenConfig(max_new_tokens=args.new_tokens, temperature=1.0)
-    copy = make_generation_copy(acc.unwrap_model(policy), acc.device)
+    copy = make_generation_copy(acc.unwrap_model(policy), acc.device, torch.float32)
 
     def any_active(local):
         flag = torch.tensor([float(local)])

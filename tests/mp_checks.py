@@ -125,7 +125,7 @@ def main(out_path):
     with torch.no_grad():  # move the weights away from their initial values first
         for prm in accelerator.unwrap_model(policy).parameters():
             prm.add_(0.01)
-    copy = train.make_generation_copy(accelerator.unwrap_model(policy), accelerator.device)
+    copy = train.make_generation_copy(accelerator.unwrap_model(policy), accelerator.device, torch.float32)
     train.refresh_generation_copy(accelerator.unwrap_model(policy), copy)
     state = accelerator.get_state_dict(policy)  # a different gather path (full state dict)
     save_dir = tempfile.mkdtemp() if rank == 0 else None

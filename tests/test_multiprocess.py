@@ -42,8 +42,10 @@ def test_two_process_update_equals_one_process_update(mode, tmp_path):
 
 # --minibatch-size counts scenarios of the whole step: 4 / 2 = 2 optimizer steps per rollout on
 # any number of processes (and so the rollout's old log-probs are computed).
+# A warmup over 3 of the 4 steps: the learning rate after step 0 is 2/3 of the peak on any
+# number of processes (a prepared scheduler stepping once per process would reach the peak).
 TINY = ["--batch-size", "4", "--minibatch-size", "2", "--max-new-tokens", "8", "--report-to", "none",
-        "--save-every", "2", "--actor-lr", "1e-2"]
+        "--save-every", "2", "--actor-lr", "1e-2", "--actor-warmup-ratio", "0.75", "--critic-warmup-ratio", "0.75"]
 # Dialogues end at different turns on the two processes (a low start: some users give up after
 # one turn, others play on), and per-turn samples give the processes different row counts, so
 # padding rows and idle processes are exercised.
@@ -74,6 +76,7 @@ def test_train_resume_equals_uninterrupted(mode, algo, extra, tmp_path):
     rows = [json.loads(l) for l in open(os.path.join(full, "metrics.jsonl"))]
     assert all(r["dialogues"] == 4 * (2 if algo == "grpo" else 1) for r in rows)  # summed, not averaged
     assert all(r["optimizer_steps"] == 2 for r in rows)
+    assert [r["lr"] for r in rows] == pytest.approx([1e-2 * 2 / 3, 1e-2, 1e-2, 1e-2])
     ck = sorted(os.listdir(os.path.join(full, "checkpoints")))
     assert ck == ["step_000002", "step_000004"]  # no temporary folder left behind
     # A run that stopped after its step-2 checkpoint: the same checkpoint, nothing after it.
