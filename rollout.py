@@ -260,7 +260,9 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
     forward, which is where FSDP2 (fully_shard) gathers the root's parameters (embedding, final
     norm, LM head) and hooks its backward: outside it `lm_head.weight` is a shard. Inside the
     swapped-in head the forward is the model's own, so DDP (`model.module`) and FSDP2 hooks run
-    as usual. (Assumes the LM head is not an FSDP unit of its own, as in accelerate's policies.)"""
+    as usual. (Assumes the LM head's weight is gathered when our head runs: true when it belongs
+    to the root unit, or, as accelerate 1.16 wraps it, to one unit with the final norm, whose
+    forward gathers it; an LM head wrapped alone, with no forward of its own, would not be.)"""
     N, T = input_ids.shape
     micro_batch = micro_batch or N
     inner = getattr(model, "module", model)  # DDP wraps the HF model in .module
