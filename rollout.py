@@ -579,14 +579,20 @@ def make_tiny_tokenizer():
     Qwen-style chat template. `<think>` and `</think>` are single (non-special) tokens, as in
     Qwen3, so a tiny model can learn the format; in Qwen2.5 they are plain text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
+    return _tiny_chat_tokenizer(tk)
+
+
+def _tiny_chat_tokenizer(tk, **special):
+    """A `tokenizers.Tokenizer` -> a transformers tokenizer with Qwen's special tokens, the
+    think tags as single tokens and the Qwen-style chat template (both tiny tokenizers)."""
+    from transformers import PreTrainedTokenizerFast
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  additional_special_tokens=["<|im_start|>"])
+                                  additional_special_tokens=["<|im_start|>"], **special)
     tok.add_tokens(["<think>", "</think>"])
     tok.chat_template = TINY_CHAT_TEMPLATE
     return tok
@@ -621,9 +627,9 @@ def _tiny_vocab_pieces() -> list[str]:
     from simulator import rule_user_phrases
     texts = TINY_WORDS + rule_user_phrases("en") + [SYSTEM_PROMPTS[("en", t)] for t in (False, True)]
     texts += TINY_TEMPLATE_WORDS + list(".,!?'-:;\"()")
-    pieces = set()
+    pieces, split = set(), _tiny_pre_tokenizer()
     for text in texts:
-        for piece, _ in _tiny_pre_tokenizer().pre_tokenize_str(text):
+        for piece, _ in split.pre_tokenize_str(text):
             if piece.isascii():
                 pieces |= {piece, piece.lower()}
     return sorted(pieces)
@@ -647,17 +653,12 @@ def make_tiny_word_tokenizer():
     words and marks) with the same special tokens and chat template as `make_tiny_tokenizer`.
     Unknown words become <unk>; everything the tiny policy samples decodes to readable words."""
     from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
     specials = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<unk>"]
     vocab = {p: i for i, p in enumerate(specials + _tiny_vocab_pieces())}
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = _tiny_pre_tokenizer()
     tk.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
-    tok.add_tokens(["<think>", "</think>"])
-    tok.chat_template = TINY_CHAT_TEMPLATE
-    return tok
+    return _tiny_chat_tokenizer(tk, unk_token="<unk>")
 
 
 def load_tokenizer(path: str):

@@ -613,7 +613,7 @@ def train(cfg: Config) -> dict:
     from tqdm.auto import tqdm
     from grpo import grpo_update
     from ppo import needs_old_logprobs, ppo_update
-    from rollout import GenConfig, add_logprobs, rollout, rollout_stats
+    from rollout import GenConfig, add_logprobs, rollout
 
     mp = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     # step_scheduler_with_optimizer=False: a prepared scheduler otherwise advances once per
@@ -714,6 +714,7 @@ def train(cfg: Config) -> dict:
             # (FSDP collectives); padding rows have an all-zero loss mask.
             rows = accelerator.gather(torch.tensor([len(batch)], device=accelerator.device)).max().item()
             batch = batch.pad_to(int(rows), tok.pad_token_id)
+        roll = gather_rollout_stats(accelerator, batch)  # over all processes' dialogues
         # `minibatch_size` counts scenarios of the whole step (all processes), as the official
         # ppo_mini_batch_size does: the step's rows are cut into the same number of minibatches
         # on every process, so the number of optimizer steps per rollout does not depend on the
@@ -728,7 +729,7 @@ def train(cfg: Config) -> dict:
             batch = add_logprobs(batch, policy, ref, cfg.temperature, cfg.micro_batch_size, old=need_old)
         policy.train()
         if not len(batch):  # (after padding: no process has a row)
-            upd = empty_step(step, rollout_stats(batch))
+            upd = empty_step(step, roll)
         elif cfg.algo == "ppo":
             critic.train()
             upd = ppo_update(policy, critic, (actor_opt, critic_opt), batch, algo_cfg, accelerator, gen)
@@ -739,7 +740,6 @@ def train(cfg: Config) -> dict:
             actor_sched.step()
         dt = time.time() - t0
 
-        roll = gather_rollout_stats(accelerator, batch)  # over all processes' dialogues
         roll.update(reduce_stats(accelerator, sim.take_counts(), summed=lambda k: True))  # retries
         upd = reduce_stats(accelerator, upd, summed=lambda k: k.endswith("_loss"))
         n_tok = accelerator.reduce(batch.attention_mask.sum().to(accelerator.device), reduction="sum").item()
@@ -772,7 +772,8 @@ def train(cfg: Config) -> dict:
 
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("httpx", "httpx2", "accelerate", "matplotlib"):  # openai >= 3 logs requests as httpx2  # per-request / per-file lines drown the log
+    # Per-request / per-file lines drown the log (openai >= 3 logs its requests as httpx2).
+    for noisy in ("httpx", "httpx2", "accelerate", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # accelerate warns that tied embeddings (lm_head = embed_tokens) are saved once: expected.
     logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
