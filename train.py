@@ -3,24 +3,30 @@
     python train.py --algo grpo --preset tiny            # offline, CPU, a few minutes
     python train.py --algo ppo  --preset tiny
     accelerate launch --config_file configs/fsdp_8gpu.yaml train.py --algo grpo --preset paper \\
-        --simulator-base-url http://localhost:8000/v1 --simulator-model deepseek-v3
+        --simulator-base-url https://api.deepseek.com/v1 --simulator-model deepseek-chat \\
+        --simulator-api-key-env DEEPSEEK_API_KEY     # deepseek-chat: DeepSeek-V3 on DeepSeek's API
 
-One step (RLVER, arXiv 2507.03112, Sec. 2 and 4.1):
-  1. pick `batch_size` training scenarios; each is played `group_size` times (GRPO n=4, PPO n=1)
-  2. rollout.py plays every dialogue to the end (<= 8 turns) against simulator.py, with the
-     think-then-say scaffold when --think, and returns token ids, masks and rewards (reward.py)
-  3. old (and, when kl_coef > 0, reference) log-probs of the sampled tokens
-  4. ppo.ppo_update or grpo.grpo_update
-  5. metrics to JSONL + trackers, an atomic checkpoint every `save_every` steps
+One step of `train()` (RLVER, arXiv 2507.03112, Sec. 2 and 4.1), as its banners number it:
+  1. rollout: `batch_size` training scenarios, each played `group_size` times (GRPO n=4, PPO
+     n=1) to the end of the dialogue (`max_turns`: 4 in the tiny preset, 8 in the paper's)
+     against the simulated user (rollout.py, simulator.py), with the think-then-say scaffold
+     when --think; the reward of a dialogue is its final emotion / 100 (reward.py)
+  2. log-probs of the sampled tokens before the update (pi_old; the reference's when KL > 0)
+  3. update: advantages (grpo.group_advantages | ppo.compute_gae), then the clipped loss
+     (grpo.grpo_update | ppo.ppo_update)
+  4. log (metrics.jsonl, samples.jsonl, trackers) and an atomic checkpoint every `save_every` steps
 
-Accelerate handles devices, bf16 and FSDP2/DDP (`accelerate launch`); under FSDP each rollout
-generates from a full copy of the policy gathered once (see `make_generation_copy`).
+Everything below `train()` is plumbing, not the algorithm: input checks, model loading,
+several processes (Accelerate handles devices, bf16 and FSDP2/DDP; under FSDP each rollout
+generates from a full copy of the policy gathered once, see `make_generation_copy`),
+checkpoints and logs.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -113,7 +119,7 @@ class Config:
 # value clip 0.5, grad clip 1.0, 1 epoch, KL 0, gamma = lambda = 1, temperature 1.0, 8 turns, GRPO
 # n=4 / PPO n=1. README ("The paper setup") lists every value with its source.
 PRESETS = {
-    "tiny": {},  # the dataclass defaults: sized for a 2-core CPU
+    "tiny": {},  # the dataclass defaults: sized for a 2-core CPU, no think (add --think)
     "paper": dict(model="Qwen/Qwen2.5-7B-Instruct", think=True, simulator="openai", steps=1000,
                   batch_size=32, max_new_tokens=512, max_total_tokens=8192, temperature=1.0, actor_lr=1e-6,
                   critic_lr=5e-6, actor_warmup_ratio=0.02, critic_warmup_ratio=0.05, entropy_coef=1e-3,
@@ -131,17 +137,19 @@ def parse_args(argv=None) -> Config:
     for f in dataclasses.fields(Config):
         name = "--" + f.name.replace("_", "-")
         kw = dict(default=None, help=f.metadata.get("help", " "))
-        if f.type in (bool, "bool"):
+        if f.type == "bool":  # annotations are strings here (from __future__ import annotations)
             ap.add_argument(name, action=argparse.BooleanOptionalAction, **kw)
         else:
-            typ = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            typ = {"int": int, "float": float, "str": str}[f.type]
             ap.add_argument(name, type=typ, choices=f.metadata.get("choices"), **kw)
     args = {k: v for k, v in vars(ap.parse_args(argv)).items() if v is not None}
     cfg = Config()
     preset = args.get("preset", cfg.preset)
     algo = args.get("algo", cfg.algo)
-    merged = {**ALGO_DEFAULTS[algo], **PRESETS.get(preset, {}),
-              **(TINY_PPO if preset == "tiny" and algo == "ppo" else {}), **args}
+    merged = {**ALGO_DEFAULTS[algo], **PRESETS.get(preset, {})}
+    if preset == "tiny" and algo == "ppo":
+        merged.update(TINY_PPO)
+    merged.update(args)
     # The official code trains think mode turn by turn: each agent turn its own sample with the
     # dialogue's reward, earlier thoughts dropped from the history (README, "Think mode").
     if preset == "paper" and merged.get("think") and "per_turn_samples" not in args:
@@ -175,6 +183,172 @@ def algo_config(cfg: Config):
     return GRPOConfig(scale=cfg.adv_scale, agg=cfg.loss_agg, **common)
 
 
+# --------------------------------------------------------------------------------------------
+# What one step takes: its scenarios, and its rows per minibatch.
+# --------------------------------------------------------------------------------------------
+def step_scenarios(scenarios, step, batch_size, seed, rank, world):
+    """The scenarios of one step, derived from (seed, step) alone, so a resumed run sees the
+    same sequence. Epoch-wise shuffles without replacement; each process takes its slice."""
+    per_epoch = max(1, len(scenarios) // batch_size)
+    epoch, k = divmod(step, per_epoch)
+    order = list(range(len(scenarios)))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    chosen = [scenarios[order[(k * batch_size + j) % len(order)]] for j in range(batch_size)]
+    return chosen[rank::world]
+
+
+def rows_per_minibatch(cfg: Config, n_rows: int) -> int:
+    """Rows of this process per minibatch. `--minibatch-size` counts scenarios of the whole step
+    (all processes), as the official ppo_mini_batch_size does: every process cuts its rows into
+    the same number of minibatches, so the number of optimizer steps per rollout does not depend
+    on the process count (the paper: 32 scenarios per step, 32 per minibatch -> one step)."""
+    n_minibatches = -(-cfg.batch_size // cfg.minibatch_size)  # ceil division
+    return max(1, -(-n_rows // n_minibatches))
+
+
+# ============================================================================================
+# The loop. One step: 1. rollout, 2. old log-probs, 3. update, 4. log / checkpoint. The helpers
+# it calls from below `train()` are plumbing; the algorithm is in rollout.py, ppo.py, grpo.py.
+# ============================================================================================
+def train(cfg: Config) -> dict:
+    # ---- set-up: every input checked first (one line on bad input, before any heavy work) ----
+    scenarios = validate(cfg)
+    from simulator import Simulator, make_backend
+    backend = make_backend(cfg.simulator, cfg.simulator_base_url, cfg.simulator_model, cfg.simulator_api_key_env,
+                           cfg.simulator_temperature, cfg.simulator_timeout, seed=cfg.seed)
+    check_backend(backend)
+    make_output_dir("--output-dir", cfg.output_dir)
+    lock = lock_output_dir(cfg.output_dir)  # held until the end of train() (or of the process)
+
+    import torch
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+    from grpo import grpo_update
+    from ppo import all_sum, needs_old_logprobs, ppo_update
+    from rollout import GenConfig, add_logprobs
+
+    accelerator, mp, fsdp = make_accelerator(cfg)
+    set_seed(cfg.seed, device_specific=True)  # each process samples its own dialogues
+    dtype = torch.bfloat16 if mp == "bf16" else torch.float32
+    # Mixed precision keeps fp32 master weights: with bf16 weights AdamW's small updates (lr 1e-6
+    # on weights ~1e-2) would round away. FSDP2 loads in bf16 (half the host memory while loading)
+    # and accelerate upcasts the sharded trainable weights to fp32; otherwise load in fp32.
+    policy, tok, critic, ref, attn = load_models(cfg, dtype, train_dtype=dtype if fsdp else torch.float32)
+    if accelerator.is_main_process:
+        log.info("policy %s | attention: %s | precision: %s | processes: %d | simulator: %r | user: %s",
+                 cfg.model, attn, mp, accelerator.num_processes, backend, cfg.user)
+        log.info("preset %s, %s: %s", cfg.preset, cfg.algo,
+                 " ".join(f"{k}={v}" for k, v in preset_values(cfg).items()))
+    # AdamW with a linear warmup, actor and critic separately (official RLVER: 2% and 5%).
+    actor_opt, actor_sched = make_optimizer(policy, cfg.actor_lr, warmup_steps(cfg, cfg.actor_warmup_ratio), fsdp)
+    # One prepare call per model: FSDP2 shards one model per call and re-points that model's
+    # optimizer at the sharded parameters ("Only one model is supported when using FSDP2").
+    policy, actor_opt, actor_sched = accelerator.prepare(policy, actor_opt, actor_sched)
+    if critic is not None:
+        critic_opt, critic_sched = make_optimizer(critic, cfg.critic_lr, warmup_steps(cfg, cfg.critic_warmup_ratio), fsdp)
+        critic, critic_opt, critic_sched = accelerator.prepare(critic, critic_opt, critic_sched)
+    if ref is not None:
+        ref = accelerator.prepare_model(ref, evaluation_mode=True)
+    gen_copy = None  # built before resuming: its random init must not shift the restored RNG
+    if fsdp and cfg.gather_for_generation:
+        gen_copy = make_generation_copy(accelerator.unwrap_model(policy), accelerator.device, dtype)
+    start = resume_if_asked(accelerator, cfg)
+    accelerator.init_trackers("rlver", config=dataclasses.asdict(cfg))
+
+    sim = Simulator(backend, initial_emotion=cfg.initial_emotion, max_turns=cfg.max_turns,
+                    concurrency=cfg.simulator_concurrency, user=cfg.user, call_budget=cfg.simulator_call_budget)
+    gen_cfg = GenConfig(max_new_tokens=cfg.max_new_tokens, max_total_tokens=cfg.max_total_tokens,
+                        temperature=cfg.temperature, per_turn_samples=cfg.per_turn_samples,
+                        drop_thoughts=cfg.drop_thoughts, shaping_coef=cfg.shaping_coef,
+                        logprob_batch_size=cfg.micro_batch_size)
+    algo_cfg = algo_config(cfg)
+    shuffle_rng = torch.Generator()  # the minibatch order
+
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"{cfg.algo}",
+               disable=not accelerator.is_main_process, dynamic_ncols=True)
+    last = {}
+    for step in bar:
+        t0 = time.time()
+        # ------------------------------------------------------------------------------------
+        # 1. Rollout. This process's share of the step's scenarios, each played `group_size`
+        #    times to the end against the simulated user (rollout.rollout). One row per
+        #    dialogue (or per agent turn with --per-turn-samples): token ids, the loss mask
+        #    (1 on the tokens the policy sampled) and the reward, the user's final emotion / 100,
+        #    0 when a turn broke the think format (reward.dialogue_reward).
+        # ------------------------------------------------------------------------------------
+        my_scenarios = step_scenarios(scenarios, step, cfg.batch_size, cfg.seed, accelerator.process_index,
+                                      accelerator.num_processes)
+        batch = run_rollout(accelerator, policy, gen_copy, tok, sim, my_scenarios, cfg, gen_cfg)
+        rollout_time = time.time() - t0
+        batch = pad_to_equal_rows(accelerator, batch, tok.pad_token_id)  # same passes on every process
+        roll = gather_rollout_stats(accelerator, batch)  # reward, turns, ... over all processes
+
+        # ------------------------------------------------------------------------------------
+        # 2. Log-probs of the sampled tokens before the policy changes: pi_old, the denominator
+        #    of the PPO ratio, and the reference model's when kl_coef > 0 (the paper: 0). When
+        #    the update is ONE optimizer step (one epoch, one minibatch), pi_old is the policy
+        #    as the update finds it, so the update takes its own detached log-probs (ratio 1)
+        #    and this forward pass is skipped (ppo.needs_old_logprobs).
+        # ------------------------------------------------------------------------------------
+        algo_cfg.minibatch_size = rows_per_minibatch(cfg, len(batch))
+        need_old = needs_old_logprobs(len(batch), algo_cfg) or (cfg.algo == "ppo" and ref is not None)
+        if (need_old or ref is not None) and len(batch):
+            batch = add_logprobs(batch, policy, ref, cfg.temperature, cfg.micro_batch_size, old=need_old)
+
+        # ------------------------------------------------------------------------------------
+        # 3. Update. Advantages first, then the clipped surrogate over shuffled minibatches of
+        #    rows, one optimizer step per minibatch.
+        #    GRPO: each dialogue's reward against its group's (grpo.group_advantages).
+        #    PPO:  critic values, the reward on the last agent token, GAE (ppo.compute_gae).
+        # ------------------------------------------------------------------------------------
+        shuffle_rng.manual_seed(cfg.seed * 100_003 + step)  # a function of the step: resumable
+        policy.train()
+        if len(batch) == 0:
+            upd = empty_step(step, roll)  # no process has a row: every dialogue failed
+        elif cfg.algo == "ppo":
+            critic.train()
+            upd = ppo_update(policy, critic, (actor_opt, critic_opt), batch, algo_cfg, accelerator, shuffle_rng)
+            critic_sched.step()
+        else:
+            upd = grpo_update(policy, actor_opt, batch, algo_cfg, accelerator, shuffle_rng)
+        if len(batch):
+            actor_sched.step()
+        step_time = time.time() - t0
+
+        # ------------------------------------------------------------------------------------
+        # 4. Log and checkpoint. Numbers over all processes: totals of counts and losses, means
+        #    of the rest (reduce_stats).
+        # ------------------------------------------------------------------------------------
+        roll.update(reduce_stats(accelerator, sim.take_counts(), summed=lambda k: True))  # simulator retries
+        upd = reduce_stats(accelerator, upd, summed=lambda k: k.endswith("_loss"))
+        n_tokens = all_sum(batch.attention_mask.sum(), accelerator).item()
+        row = {"step": step, **roll, "update_skipped": 0, **upd, "step_time": step_time,
+               "rollout_time": rollout_time, "tokens_per_s": n_tokens / step_time, "lr": actor_sched.get_last_lr()[0]}
+        if critic is not None:
+            row["critic_lr"] = critic_sched.get_last_lr()[0]
+        write_logs(accelerator, cfg.output_dir, row, batch)
+        bar.set_postfix(reward=fmt(roll["reward"], ".3f"), turns=fmt(roll["turns"], ".1f"), s=f"{step_time:.1f}")
+        last = row
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            save_checkpoint(accelerator, cfg, step + 1)
+
+    save_final(accelerator, policy, tok, os.path.join(cfg.output_dir, "final"))
+    if accelerator.is_main_process:
+        plot_curve(os.path.join(cfg.output_dir, "metrics.jsonl"), os.path.join(cfg.output_dir, "reward_curve.png"),
+                   f"RLVER {cfg.algo.upper()} ({cfg.preset} preset)")
+    accelerator.end_training()
+    lock.close()
+    return last
+
+
+# ============================================================================================
+# Plumbing, not the algorithm: input checks, models, several processes, checkpoints, logs.
+# ============================================================================================
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks: bad flags and inputs are one line (exit 2) before any heavy work.
+# --------------------------------------------------------------------------------------------
 class InputError(Exception):
     """Bad flags or inputs, reported as one line before any heavy work."""
 
@@ -269,6 +443,17 @@ def validate_more(cfg: Config):
                              f"(no readable trainer_state.json with a step)") from None
 
 
+def check_backend(backend):
+    """A remote simulator is asked once before anything heavy: an unreachable server or a
+    wrong model name is one line, not a traceback an hour in."""
+    if not hasattr(backend, "check"):
+        return
+    try:
+        backend.check()
+    except ConnectionError as e:
+        raise InputError(str(e)) from None
+
+
 def make_output_dir(flag: str, path: str):
     """Create `path` and check that a file can be written there: InputError otherwise."""
     import tempfile
@@ -302,63 +487,9 @@ def lock_output_dir(path: str):
     return f
 
 
-def truncate_logs(output_dir: str, step: int):
-    """Keep only the rows of metrics.jsonl and samples.jsonl for steps < `step`: a resumed run
-    redoes the later steps (step 0: a fresh run starts both empty). A row that does not parse,
-    i.e. the last line cut by a kill, is dropped. Written to a temporary file and renamed, so a
-    kill during this rewrite leaves the old file or the new one, never half of one."""
-    for name in ("metrics.jsonl", "samples.jsonl"):
-        path = os.path.join(output_dir, name)
-        if not os.path.exists(path):
-            continue
-        keep = []
-        with open(path, "rb") as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except (ValueError, RecursionError):
-                    continue
-                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
-                    keep.append(line.rstrip(b"\n") + b"\n")
-        with open(path + ".tmp", "wb") as f:
-            f.writelines(keep)
-        os.replace(path + ".tmp", path)
-
-
-def reduce_stats(accelerator, stats: dict, summed) -> dict:
-    """Per-process numbers -> one row over all processes. Where `summed(key)`, the total
-    (counts; a loss, since each process's loss is its share of the global loss: its sum / the
-    global count); else the mean over the processes that have a value (None: no value there;
-    it stays None when no process has one). Gradient norms are already global (clipping sees the
-    synchronised gradients), so their mean is that value."""
-    if accelerator.num_processes == 1:
-        return stats
-    import torch
-    keys = sorted(stats)
-    t = torch.tensor([[float(stats[k] or 0.0), float(stats[k] is not None)] for k in keys],
-                     dtype=torch.float64, device=accelerator.device)
-    t = accelerator.reduce(t, reduction="sum").tolist()
-    return {k: ((int(v) if isinstance(stats[k], int) else v) if summed(k) else v / n if n else None)
-            for k, (v, n) in zip(keys, t)}
-
-
-def strict_json(obj) -> str:
-    """One JSONL row that any JSON parser reads: NaN and +-Infinity become null."""
-    import math
-    clean = lambda v: (None if isinstance(v, float) and not math.isfinite(v)  # noqa: E731
-                       else {k: clean(x) for k, x in v.items()} if isinstance(v, dict)
-                       else [clean(x) for x in v] if isinstance(v, list) else v)
-    return json.dumps(clean(obj), ensure_ascii=False, allow_nan=False)
-
-
-def empty_step(step: int, roll: dict) -> dict:
-    """A step with no row to train on (every dialogue failed or none was appraised): no update
-    (log-probs of zero rows do not exist), a warning, and `update_skipped` = 1 in metrics.jsonl."""
-    log.warning("step %d: no dialogue to learn from (%d simulator errors, %d never appraised); update skipped",
-                step, roll["simulator_errors"], roll["unappraised"])
-    return {"update_skipped": 1}
-
-
+# --------------------------------------------------------------------------------------------
+# Models and optimizers.
+# --------------------------------------------------------------------------------------------
 def pick_attn_implementation() -> str:
     """flash-attention 2 when installed and on GPU, else PyTorch SDPA."""
     import torch
@@ -374,19 +505,23 @@ def load_models(cfg: Config, dtype, train_dtype=None):
     from ppo import ValueModel
     from rollout import load_tokenizer, make_tiny_policy, resolve_model
     attn = pick_attn_implementation()
+    train_dtype = train_dtype or dtype
+    critic = ref = None
     if cfg.model == "tiny":
         policy, tok = make_tiny_policy(seed=cfg.seed, words=True)  # word-level: readable dialogues
-        critic = ValueModel.from_config(policy.config) if cfg.algo == "ppo" else None
-        ref = copy.deepcopy(policy) if cfg.kl_coef > 0 else None
+        if cfg.algo == "ppo":
+            critic = ValueModel.from_config(policy.config)
+        if cfg.kl_coef > 0:
+            ref = copy.deepcopy(policy)
     else:
         path = resolve_model(cfg.model)  # 'smollm2' -> its cached HF directory
         tok = load_tokenizer(path)
-        load = lambda dt: AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn)  # noqa: E731
-        policy = load(train_dtype or dtype)
-        critic = ValueModel.from_pretrained(resolve_model(cfg.critic_model) if cfg.critic_model else path,
-                                            dtype=train_dtype or dtype, attn_implementation=attn) \
-            if cfg.algo == "ppo" else None
-        ref = load(dtype) if cfg.kl_coef > 0 else None
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=train_dtype, attn_implementation=attn)
+        if cfg.algo == "ppo":  # the paper initialises the critic from the policy's checkpoint
+            critic_path = resolve_model(cfg.critic_model) if cfg.critic_model else path
+            critic = ValueModel.from_pretrained(critic_path, dtype=train_dtype, attn_implementation=attn)
+        if cfg.kl_coef > 0:
+            ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     if ref is not None:
@@ -398,10 +533,51 @@ def load_models(cfg: Config, dtype, train_dtype=None):
     return policy, tok, critic, ref, attn
 
 
+def make_optimizer(model, lr: float, warmup: int, fsdp: bool):
+    """AdamW (no weight decay) and a linear LR warmup over `warmup` steps -> (optimizer, scheduler).
+
+    Fused AdamW runs one kernel over all parameters (7x faster than the per-tensor loop on CPU,
+    and faster on GPU); FSDP's sharded parameters take the multi-tensor (foreach) version. The
+    first step runs at 1/warmup of the LR (verl's constant-with-warmup starts at 0: one step
+    apart)."""
+    import torch
+    if fsdp:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
+
+    def lr_factor(step):
+        if warmup == 0:
+            return 1.0
+        return min(1.0, (step + 1) / warmup)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+
+
 # --------------------------------------------------------------------------------------------
-# Several processes (plumbing, not the algorithm): launch checks, one prepare per model,
-# generation from a gathered copy, metrics over processes.
+# Several processes: launch checks, one prepare per model, generation from a gathered
+# copy, equal row counts, metrics over processes.
 # --------------------------------------------------------------------------------------------
+def make_accelerator(cfg: Config):
+    """-> (Accelerator, mixed precision "bf16" | "no", FSDP on?), the launch checked.
+
+    step_scheduler_with_optimizer=False: a prepared scheduler otherwise advances once per
+    PROCESS at each step (accelerate assumes the data loader's batch grew with the process
+    count), which would make the warmup N times shorter on N processes."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+    mp = cfg.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if torch.cuda.is_available() else "no"
+    accelerator = Accelerator(mixed_precision=mp, log_with=trackers(cfg), project_dir=cfg.output_dir,
+                              step_scheduler_with_optimizer=False)
+    check_launch(accelerator)
+    if cfg.batch_size % accelerator.num_processes:
+        raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes "
+                         f"({accelerator.num_processes})")
+    return accelerator, mp, accelerator.distributed_type == DistributedType.FSDP
+
+
 def check_launch(accelerator):
     """Refuse launches that would silently train wrong.
     - accelerate sees fewer processes than were launched: it fell back to one process per rank
@@ -486,6 +662,44 @@ def generation_mode(accelerator, model):
             unwrapped.gradient_checkpointing_enable()
 
 
+def run_rollout(accelerator, policy, gen_copy, tok, sim, scenarios, cfg: Config, gen_cfg):
+    """rollout.rollout with the model this launch generates from: the gathered copy under FSDP
+    (make_generation_copy), else the policy itself (one process, DDP, or FSDP's sharded model
+    with --no-gather-for-generation, see generation_mode)."""
+    from accelerate.utils import DistributedType
+    from rollout import rollout
+    policy.eval()
+    if gen_copy is not None:  # FSDP: gather the weights once, then generate with no collectives
+        refresh_generation_copy(accelerator.unwrap_model(policy), gen_copy)
+        return rollout(gen_copy, tok, sim, scenarios, cfg.group_size, cfg.think, gen_cfg, compute_logprobs=False)
+    any_active = None
+    if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1:
+        # Every forward pass of a sharded model is a collective: a process whose dialogues have
+        # all ended keeps joining them until no process has one left (rollout asks each turn).
+        any_active = functools.partial(any_process_active, accelerator)
+    with generation_mode(accelerator, policy) as (gen_model, gen_kwargs):
+        return rollout(gen_model, tok, sim, scenarios, cfg.group_size, cfg.think, gen_cfg, compute_logprobs=False,
+                       generate_kwargs=gen_kwargs, any_active=any_active)
+
+
+def any_process_active(accelerator, mine_active: bool) -> bool:
+    """Does any process still have a dialogue running? (one all-reduce)"""
+    import torch
+    flag = torch.tensor([float(mine_active)], device=accelerator.device)
+    return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+
+def pad_to_equal_rows(accelerator, batch, pad_id: int):
+    """Every process must run the same number of forward/backward passes (under FSDP each is a
+    collective): pad this process's batch to the largest row count of any process, with rows
+    whose loss mask is all zero (they add exactly nothing to the gradient; Batch.pad_to)."""
+    if accelerator.num_processes == 1:
+        return batch
+    import torch
+    rows = accelerator.gather(torch.tensor([len(batch)], device=accelerator.device)).max().item()
+    return batch.pad_to(int(rows), pad_id)
+
+
 def gather_rollout_stats(accelerator, batch) -> dict:
     """rollout_stats over the dialogues of ALL processes (each played its own slice): the
     per-dialogue numbers are gathered, so means are over all dialogues and `dialogues` /
@@ -499,15 +713,32 @@ def gather_rollout_stats(accelerator, batch) -> dict:
     return rollout_stats(dataclasses.replace(batch, metrics=light))
 
 
-def step_scenarios(scenarios, step, batch_size, seed, rank, world):
-    """The scenarios of one step, derived from (seed, step) alone, so a resumed run sees the
-    same sequence. Epoch-wise shuffles without replacement; each process takes its slice."""
-    per_epoch = max(1, len(scenarios) // batch_size)
-    epoch, k = divmod(step, per_epoch)
-    order = list(range(len(scenarios)))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    chosen = [scenarios[order[(k * batch_size + j) % len(order)]] for j in range(batch_size)]
-    return chosen[rank::world]
+def reduce_stats(accelerator, stats: dict, summed) -> dict:
+    """Per-process numbers -> one row over all processes. Where `summed(key)`, the total
+    (counts; a loss, since each process's loss is its share of the global loss: its sum / the
+    global count); else the mean over the processes that have a value (None: no value there;
+    it stays None when no process has one). Gradient norms are already global (clipping sees the
+    synchronised gradients), so their mean is that value; so are counts every process shares
+    (optimizer_steps, update_skipped), which stay integers."""
+    if accelerator.num_processes == 1:
+        return stats
+    import torch
+    keys = sorted(stats)
+    t = torch.tensor([[float(stats[k] or 0.0), float(stats[k] is not None)] for k in keys],
+                     dtype=torch.float64, device=accelerator.device)
+    t = accelerator.reduce(t, reduction="sum").tolist()
+    out = {}
+    for k, (total, n_values) in zip(keys, t):
+        if summed(k):
+            value = total
+        elif n_values:
+            value = total / n_values
+        else:
+            value = None
+        if isinstance(stats[k], int) and value is not None and float(value).is_integer():
+            value = int(value)
+        out[k] = value
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -558,6 +789,97 @@ def find_resume(cfg):
     return os.path.join(root, done[-1]) if done else None
 
 
+def resume_if_asked(accelerator, cfg: Config) -> int:
+    """--resume: restore models, optimizers, schedulers and RNG states -> the step to start at
+    (0 for a fresh run). Log rows of the steps after the checkpoint are dropped (redone now)."""
+    resume = find_resume(cfg)
+    if accelerator.num_processes > 1:  # the main process decides (file systems may lag)
+        from accelerate.utils import broadcast_object_list
+        resume = broadcast_object_list([resume])[0]
+    start = 0
+    if resume:
+        accelerator.load_state(resume)
+        start = json.load(open(os.path.join(resume, "trainer_state.json")))["step"]
+        if accelerator.is_main_process:
+            log.info("resumed from %s at step %d", resume, start)
+    if accelerator.is_main_process:
+        truncate_logs(cfg.output_dir, start)
+    return start
+
+
+# --------------------------------------------------------------------------------------------
+# Logs: metrics.jsonl, samples.jsonl, trackers, the reward curve.
+# --------------------------------------------------------------------------------------------
+def truncate_logs(output_dir: str, step: int):
+    """Keep only the rows of metrics.jsonl and samples.jsonl for steps < `step`: a resumed run
+    redoes the later steps (step 0: a fresh run starts both empty). A row that does not parse,
+    i.e. the last line cut by a kill, is dropped. Written to a temporary file and renamed, so a
+    kill during this rewrite leaves the old file or the new one, never half of one."""
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = os.path.join(output_dir, name)
+        if not os.path.exists(path):
+            continue
+        keep = []
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+                    keep.append(line.rstrip(b"\n") + b"\n")
+        with open(path + ".tmp", "wb") as f:
+            f.writelines(keep)
+        os.replace(path + ".tmp", path)
+
+
+def write_logs(accelerator, output_dir: str, row: dict, batch):
+    """The step's row to metrics.jsonl and the trackers, and one readable sample dialogue of
+    this step to samples.jsonl (files: main process only)."""
+    if accelerator.is_main_process:
+        with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+            f.write(strict_json(row) + "\n")
+        if batch.metrics:
+            m = batch.metrics[0]
+            sample = {"step": row["step"], "scenario": m["scenario_id"], "reward": m["reward"],
+                      "emotion_trace": m["emotion_trace"], "history": m["history"]}
+            with open(os.path.join(output_dir, "samples.jsonl"), "a") as f:
+                f.write(strict_json(sample) + "\n")
+    accelerator.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
+
+
+def fmt(value, spec: str) -> str:
+    """A number for the progress bar; None (a step with no valid dialogue) shows as '-'."""
+    if value is None:
+        return "-"
+    return format(value, spec)
+
+
+def strict_json(obj) -> str:
+    """One JSONL row that any JSON parser reads: NaN and +-Infinity become null."""
+    return json.dumps(finite_or_none(obj), ensure_ascii=False, allow_nan=False)
+
+
+def finite_or_none(value):
+    """`value` with every NaN / +-Infinity float (in nested dicts and lists too) replaced by None."""
+    import math
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def empty_step(step: int, roll: dict) -> dict:
+    """A step with no row to train on (every dialogue failed or none was appraised): no update
+    (log-probs of zero rows do not exist), a warning, and `update_skipped` = 1 in metrics.jsonl."""
+    log.warning("step %d: no dialogue to learn from (%d simulator errors, %d never appraised); update skipped",
+                step, roll["simulator_errors"], roll["unappraised"])
+    return {"update_skipped": 1}
+
+
 def plot_curve(metrics_path, png_path, title):
     """Reward (and success rate) per step -> PNG."""
     import matplotlib
@@ -589,185 +911,6 @@ def trackers(cfg):
         except ImportError:
             return None
     return [t.strip() for t in cfg.report_to.split(",") if t.strip()]
-
-
-# --------------------------------------------------------------------------------------------
-# The loop.
-# --------------------------------------------------------------------------------------------
-def train(cfg: Config) -> dict:
-    scenarios = validate(cfg)
-    from simulator import Simulator, make_backend
-    backend = make_backend(cfg.simulator, cfg.simulator_base_url, cfg.simulator_model, cfg.simulator_api_key_env,
-                           cfg.simulator_temperature, cfg.simulator_timeout, seed=cfg.seed)
-    if hasattr(backend, "check"):
-        try:
-            backend.check()
-        except ConnectionError as e:
-            raise InputError(str(e)) from None
-    make_output_dir("--output-dir", cfg.output_dir)
-    lock = lock_output_dir(cfg.output_dir)  # held until the end of train() (or of the process)
-
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, set_seed
-    from tqdm.auto import tqdm
-    from grpo import grpo_update
-    from ppo import needs_old_logprobs, ppo_update
-    from rollout import GenConfig, add_logprobs, rollout
-
-    mp = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
-    # step_scheduler_with_optimizer=False: a prepared scheduler otherwise advances once per
-    # PROCESS at each step (accelerate assumes the data loader's batch grew with the process
-    # count), which would make the warmup N times shorter on N processes.
-    accelerator = Accelerator(mixed_precision=mp, log_with=trackers(cfg), project_dir=cfg.output_dir,
-                              step_scheduler_with_optimizer=False)
-    set_seed(cfg.seed, device_specific=True)
-    check_launch(accelerator)
-    if cfg.batch_size % accelerator.num_processes:
-        raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes "
-                         f"({accelerator.num_processes})")
-    dtype = torch.bfloat16 if mp == "bf16" else torch.float32
-    # Mixed precision keeps fp32 master weights: with bf16 weights AdamW's small updates (lr 1e-6
-    # on weights ~1e-2) would round away. FSDP2 loads in bf16 (half the host memory while loading)
-    # and accelerate upcasts the sharded trainable weights to fp32; otherwise load in fp32.
-    fsdp = accelerator.distributed_type == DistributedType.FSDP
-    policy, tok, critic, ref, attn = load_models(cfg, dtype, train_dtype=dtype if fsdp else torch.float32)
-    if accelerator.is_main_process:
-        log.info("policy %s | attention: %s | precision: %s | processes: %d | simulator: %r | user: %s",
-                 cfg.model, attn, mp, accelerator.num_processes, backend, cfg.user)
-        log.info("preset %s, %s: %s", cfg.preset, cfg.algo,
-                 " ".join(f"{k}={v}" for k, v in preset_values(cfg).items()))
-
-    # Linear warmup, actor and critic separately (official RLVER: 2% and 5% of the steps). The
-    # first step runs at 1/w of the LR (verl's constant-with-warmup starts at 0: one step apart).
-    def warmup(w):
-        return lambda s: min(1.0, (s + 1) / w) if w else 1.0
-    # Fused AdamW: one kernel over all parameters (7x faster than the per-tensor loop on CPU,
-    # and faster on GPU); FSDP's sharded parameters take the multi-tensor (foreach) version.
-    adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.0,  # noqa: E731
-                                                 **({"foreach": True} if fsdp else {"fused": True}))
-    actor_opt = adamw(policy.parameters(), cfg.actor_lr)
-    actor_sched = torch.optim.lr_scheduler.LambdaLR(actor_opt, warmup(warmup_steps(cfg, cfg.actor_warmup_ratio)))
-    if critic is not None:
-        critic_opt = adamw(critic.parameters(), cfg.critic_lr)
-        critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, warmup(warmup_steps(cfg, cfg.critic_warmup_ratio)))
-    # One prepare call per model: FSDP2 shards one model per call and re-points that model's
-    # optimizer at the sharded parameters ("Only one model is supported when using FSDP2").
-    policy, actor_opt, actor_sched = accelerator.prepare(policy, actor_opt, actor_sched)
-    if critic is not None:
-        critic, critic_opt, critic_sched = accelerator.prepare(critic, critic_opt, critic_sched)
-    if ref is not None:
-        ref = accelerator.prepare_model(ref, evaluation_mode=True)
-
-    gen_copy = None  # built before resuming: its random init must not shift the restored RNG
-    if fsdp and cfg.gather_for_generation:
-        gen_copy = make_generation_copy(accelerator.unwrap_model(policy), accelerator.device, dtype)
-
-    start = 0
-    resume = find_resume(cfg)
-    if accelerator.num_processes > 1:  # the main process decides (file systems may lag)
-        from accelerate.utils import broadcast_object_list
-        resume = broadcast_object_list([resume])[0]
-    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-    if resume:
-        accelerator.load_state(resume)
-        start = json.load(open(os.path.join(resume, "trainer_state.json")))["step"]
-        if accelerator.is_main_process:
-            log.info("resumed from %s at step %d", resume, start)
-    if accelerator.is_main_process:  # drop log rows of steps after the checkpoint (re-done now)
-        truncate_logs(cfg.output_dir, start)
-    accelerator.init_trackers("rlver", config={k: v for k, v in dataclasses.asdict(cfg).items()})
-
-    sim = Simulator(backend, initial_emotion=cfg.initial_emotion, max_turns=cfg.max_turns,
-                    concurrency=cfg.simulator_concurrency, user=cfg.user, call_budget=cfg.simulator_call_budget)
-    gen_cfg = GenConfig(max_new_tokens=cfg.max_new_tokens, max_total_tokens=cfg.max_total_tokens,
-                        temperature=cfg.temperature, per_turn_samples=cfg.per_turn_samples,
-                        drop_thoughts=cfg.drop_thoughts, shaping_coef=cfg.shaping_coef,
-                        logprob_batch_size=cfg.micro_batch_size)
-    algo_cfg = algo_config(cfg)
-    gen = torch.Generator()
-
-    def any_active(local: bool) -> bool:  # does any process still have dialogues running?
-        flag = torch.tensor([float(local)], device=accelerator.device)
-        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
-
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"{cfg.algo}",
-               disable=not accelerator.is_main_process, dynamic_ncols=True)
-    last = {}
-    for step in bar:
-        gen.manual_seed(cfg.seed * 100_003 + step)  # minibatch order: a function of the step (resumable)
-        t0 = time.time()
-        local = step_scenarios(scenarios, step, cfg.batch_size, cfg.seed, accelerator.process_index,
-                               accelerator.num_processes)
-        policy.eval()
-        if gen_copy is not None:  # FSDP: gather once, then generate with no collectives
-            refresh_generation_copy(accelerator.unwrap_model(policy), gen_copy)
-            batch = rollout(gen_copy, tok, sim, local, cfg.group_size, cfg.think, gen_cfg, compute_logprobs=False)
-        else:
-            with generation_mode(accelerator, policy) as (gen_model, gen_kwargs):
-                batch = rollout(gen_model, tok, sim, local, cfg.group_size, cfg.think, gen_cfg,
-                                compute_logprobs=False, generate_kwargs=gen_kwargs,
-                                any_active=any_active if fsdp and accelerator.num_processes > 1 else None)
-        t_roll = time.time() - t0
-        if accelerator.num_processes > 1:
-            # Equal row counts on every process -> equal numbers of forward/backward passes
-            # (FSDP collectives); padding rows have an all-zero loss mask.
-            rows = accelerator.gather(torch.tensor([len(batch)], device=accelerator.device)).max().item()
-            batch = batch.pad_to(int(rows), tok.pad_token_id)
-        roll = gather_rollout_stats(accelerator, batch)  # over all processes' dialogues
-        # `minibatch_size` counts scenarios of the whole step (all processes), as the official
-        # ppo_mini_batch_size does: the step's rows are cut into the same number of minibatches
-        # on every process, so the number of optimizer steps per rollout does not depend on the
-        # process count (the paper: 32 scenarios per step, 32 per minibatch -> one step).
-        n_minibatches = -(-cfg.batch_size // cfg.minibatch_size)
-        algo_cfg.minibatch_size = max(1, -(-len(batch) // n_minibatches))  # rows per minibatch here
-        # Old log-probs are needed only when the policy changes before the last minibatch is
-        # seen (several epochs or minibatches) or for PPO's KL-in-reward; else ratio = 1 exactly
-        # and the update uses the detached current log-probs (one forward pass fewer).
-        need_old = needs_old_logprobs(len(batch), algo_cfg) or (cfg.algo == "ppo" and ref is not None)
-        if (need_old or ref is not None) and len(batch):
-            batch = add_logprobs(batch, policy, ref, cfg.temperature, cfg.micro_batch_size, old=need_old)
-        policy.train()
-        if not len(batch):  # (after padding: no process has a row)
-            upd = empty_step(step, roll)
-        elif cfg.algo == "ppo":
-            critic.train()
-            upd = ppo_update(policy, critic, (actor_opt, critic_opt), batch, algo_cfg, accelerator, gen)
-            critic_sched.step()
-        else:
-            upd = grpo_update(policy, actor_opt, batch, algo_cfg, accelerator, gen)
-        if len(batch):
-            actor_sched.step()
-        dt = time.time() - t0
-
-        roll.update(reduce_stats(accelerator, sim.take_counts(), summed=lambda k: True))  # retries
-        upd = reduce_stats(accelerator, upd, summed=lambda k: k.endswith("_loss"))
-        n_tok = accelerator.reduce(batch.attention_mask.sum().to(accelerator.device), reduction="sum").item()
-        row = {"step": step, **roll, "update_skipped": 0, **upd, "step_time": dt, "rollout_time": t_roll,
-               "tokens_per_s": n_tok / dt, "lr": actor_sched.get_last_lr()[0],
-               **({"critic_lr": critic_sched.get_last_lr()[0]} if critic is not None else {})}
-        if accelerator.is_main_process:
-            with open(metrics_path, "a") as f:
-                f.write(strict_json(row) + "\n")
-            if batch.metrics:  # one readable sample dialogue per step
-                m = batch.metrics[0]
-                with open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") as f:
-                    f.write(strict_json({"step": step, "scenario": m["scenario_id"], "reward": m["reward"],
-                                         "emotion_trace": m["emotion_trace"], "history": m["history"]}) + "\n")
-        accelerator.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=step)
-        show = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731  (None: no valid dialogue)
-        bar.set_postfix(reward=show(roll["reward"], ".3f"), turns=show(roll["turns"], ".1f"), s=f"{dt:.1f}")
-        last = row
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            save_checkpoint(accelerator, cfg, step + 1)
-
-    save_final(accelerator, policy, tok, os.path.join(cfg.output_dir, "final"))
-    if accelerator.is_main_process:
-        plot_curve(metrics_path, os.path.join(cfg.output_dir, "reward_curve.png"),
-                   f"RLVER {cfg.algo.upper()} ({cfg.preset} preset)")
-    accelerator.end_training()
-    lock.close()
-    return last
 
 
 def main(argv=None):
