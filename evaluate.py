@@ -53,6 +53,13 @@ log = logging.getLogger("evaluate")
 # --------------------------------------------------------------------------------------------
 # Metrics (pure functions of transcripts: also used to score other systems' results).
 # --------------------------------------------------------------------------------------------
+def mean(xs):
+    """The mean, or None for no values (JSON null, never NaN)."""
+    if not xs:
+        return None
+    return sum(xs) / len(xs)
+
+
 def summarize(records: list[dict]) -> dict:
     """Means over the scored dialogues: not `simulator_error`, and `valid` (our transcripts mark
     a dialogue that was never appraised, e.g. the token budget stopped it before the first
@@ -60,7 +67,6 @@ def summarize(records: list[dict]) -> dict:
     ok = [r for r in records if r.get("valid", True) and r.get("outcome") != "simulator_error"]
     n = len(ok)
     errors = sum(r.get("outcome") == "simulator_error" for r in records)
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     return {
         "dialogues": len(records), "scored": n,
         "sentient_score": mean([r["emotion"] for r in ok]),
@@ -187,7 +193,10 @@ def format_table(summaries: dict[str, dict]) -> str:
 def render_table(head: list[str], rows: list[list[str]]) -> str:
     """Aligned plain-text columns: the first left-aligned, the rest right-aligned."""
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+
+    def line(cells):
+        padded = [cells[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
+        return "  ".join(padded)
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
@@ -258,7 +267,8 @@ def eval_prompt(choice: str, think: bool):
     language (plus the think format with --think). Raises ValueError naming the flag."""
     from rollout import build_system_prompt
     if choice == "train":
-        fn = lambda lang: build_system_prompt(think, lang)  # noqa: E731
+        def fn(lang):
+            return build_system_prompt(think, lang)
     else:
         if choice == "sage":
             texts = SAGE_PROMPTS
@@ -272,7 +282,12 @@ def eval_prompt(choice: str, think: bool):
             texts = {"en": text, "zh": text}
         else:
             raise ValueError(f"--eval-prompt {choice}: not 'sage', 'train' or an existing file")
-        fn = lambda lang: texts.get(lang, texts["en"]) + (THINK_FORMAT.get(lang, THINK_FORMAT["en"]) if think else "")  # noqa: E731
+
+        def fn(lang):  # the prompt in the scenario's language (English when there is none)
+            prompt = texts.get(lang, texts["en"])
+            if think:
+                prompt += THINK_FORMAT.get(lang, THINK_FORMAT["en"])
+            return prompt
     return fn, {"choice": choice, "en": fn("en"), "zh": fn("zh")}
 
 
