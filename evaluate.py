@@ -12,8 +12,8 @@ most 10 turns, with greedy decoding by default (or fixed-seed sampling). Reporte
 
     python evaluate.py --model runs/rlver/final --model tiny --scenarios data/scenarios_test.jsonl
     python evaluate.py --model Qwen/Qwen2.5-7B-Instruct --think --simulator openai \\
-        --simulator-base-url http://localhost:8000/v1 --simulator-model deepseek-chat \\
-        --scenarios path/to/test_profile.jsonl
+        --simulator-base-url https://api.deepseek.com/v1 --simulator-model deepseek-chat \\
+        --simulator-api-key-env DEEPSEEK_API_KEY --scenarios path/to/test_profile.jsonl
     python evaluate.py --score other_system.jsonl --score eval/mine/transcripts.jsonl
     python evaluate.py --model runs/rlver/final --user challenging   # the paper's challenging user
     python evaluate.py --model runs/rlver/final --scenarios data/chitchat_test.jsonl   # chit-chat (App. B.1)
