@@ -411,7 +411,9 @@ def make_judge(args):
     CachedBackend (judge_cache.jsonl in --output-dir): a rerun replays every parsed answer.
     Raises ValueError / ConnectionError (one line) before any heavy work."""
     from judge import LLMJudge, RuleJudge
-    kind = args.judge if args.judge != "auto" else ("llm" if args.judge_base_url else "rule")
+    kind = args.judge
+    if kind == "auto":  # an LLM judge when a judge URL is given, else the offline rule judge
+        kind = "llm" if args.judge_base_url else "rule"
     if kind == "none":
         return None
     if kind == "rule":
