@@ -7,12 +7,41 @@ critic, GRPO uses the other members of the group as the baseline:
      (Dr. GRPO, Liu et al. 2025, drops the std scaling: scale="none")
   2. every policy token of sample i gets A_i
   3. the PPO clipped surrogate on the token ratios, optional KL to a reference model with the
-     k3 estimator (the paper uses no KL), aggregated over tokens               (grpo_loss)
-     (+ the entropy bonus, as in PPO: the official RLVER config sets 1e-3      (grpo_update))
-  4. minibatches x micro-batches with exact gradient accumulation             (grpo_update)
+     k3 estimator (the paper uses no KL), aggregated over tokens     (grpo_loss, aggregate)
+     (+ the entropy bonus, as in PPO                                 (grpo_update))
+  4. epochs x minibatches x micro-batches with exact gradient accumulation, one optimizer
+     step per minibatch                                              (grpo_update)
 
-The clipped surrogate, KL estimators, masking helpers and minibatch loop are ppo.py's: GRPO
-is PPO with a different advantage.
+GRPO is PPO with a different advantage, so this file imports the shared pieces from ppo.py
+instead of repeating them: the clipped surrogate, the KL estimators, the masked mean, the
+minibatch loop and its checks, the optimizer step and stats helpers, and the multi-process
+plumbing (global_counts, backward). Copy ppo.py (and rollout.py, for token_logprobs) along
+with it.
+
+How this GRPO differs from others (verl's compute_grpo_outcome_advantage and dp_actor, TRL's
+GRPOTrainer), each as the code below does it:
+
+  1. A group of one gets advantage 0: with no other sample there is no baseline, so no signal.
+     verl gives a one-sample group mean 0 and std 1, so that sample trains on its raw reward
+     (R / (1 + eps)).
+  2. The std is torch.std's unbiased (n - 1) estimate, as in verl (torch.std) and TRL (nanstd,
+     with Bessel's correction).
+  3. eps = 1e-6 in the denominator std + eps, as verl's default; TRL adds 1e-4.
+  4. All-equal rewards give exactly 0: the rewards are compared, not the std (in float32 the
+     mean of equal values can differ from them by ~1e-8, and (R - mean) / (std + eps) would
+     then be noise). verl and TRL divide whatever R - mean comes out.
+  5. Per-turn samples (several rows per dialogue, all carrying the dialogue's reward) use a
+     dialogue-level baseline: the group's mean and std are taken over dialogues, not rows, so
+     a long dialogue does not weigh more in its group's baseline.
+  6. The entropy bonus is applied as verl's actor applies it, whatever the advantage
+     estimator: loss -= entropy_coef * (the entropy aggregated like the policy loss: same agg,
+     same counts). The original GRPO has none; the default here is 0.
+  7. Loss aggregation: token-mean by default (verl's default loss_agg_mode; DAPO's, TRL's
+     default loss_type "dapo"), with the original GRPO's seq-mean-token-mean and
+     seq-mean-token-sum available (GRPOConfig.agg). Dr. GRPO's constant normaliser (TRL's
+     "dr_grpo") is not offered.
+  8. The token and sequence counts that normalise the loss are the whole minibatch's over all
+     processes (ppo.global_counts), so N processes take exactly the one-process step.
 """
 from __future__ import annotations
 
@@ -20,8 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ppo import (_mean, _minibatch_stats, _step, backward, check_old_logprobs, clipped_surrogate, global_counts,
-                 kl_penalty, masked_mean, minibatches)
+from ppo import (backward, check_old_logprobs, clipped_surrogate, global_counts, kl_penalty, masked_mean, mean_stats,
+                 minibatch_stats, minibatches, optimizer_step)
 from rollout import token_logprobs
 
 
@@ -43,18 +72,34 @@ class GRPOConfig:
 
 
 def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6, dialogue_ids=None):
-    """[N] rewards -> [N] advantages, normalised within each group of the same scenario.
+    """Rewards -> advantages, normalised within each group of the same scenario (DeepSeekMath's
+    outcome supervision, https://arxiv.org/abs/2402.03300):
 
-    A group of one has no baseline and gets 0. With `dialogue_ids` (per-turn samples: several
-    rows per dialogue share its reward), the statistics are taken over dialogues, not rows, so
-    long dialogues do not weigh more in the baseline."""
+        A_i = (R_i - mean(R_g)) / (std(R_g) + eps)     scale="std"  (GRPO)
+        A_i =  R_i - mean(R_g)                         scale="none" (Dr. GRPO,
+                                                                     https://arxiv.org/abs/2503.20783)
+
+    rewards: [N] one reward per row.  group_ids: [N] the group (scenario) of each row.
+    dialogue_ids: [N] or None, the dialogue of each row (per-turn samples: several rows per
+    dialogue, all carrying its reward); then the statistics are taken over dialogues, not rows,
+    so long dialogues do not weigh more in the baseline.
+    Returns [N] float32. A group of one has no baseline and gets 0; a group whose rewards are
+    all equal gets exactly 0; std is the unbiased (n - 1) one."""
     if scale not in ("std", "none"):
         raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
     rewards = rewards.float()
     if dialogue_ids is not None:
-        uniq, inv = torch.unique(dialogue_ids, return_inverse=True)
-        first = torch.zeros(len(uniq), dtype=torch.long).scatter_(0, inv.flip(0), torch.arange(len(inv)).flip(0))
-        return group_advantages(rewards[first], group_ids[first], scale, eps)[inv]
+        # One row per dialogue (its first; every row of a dialogue carries the same reward and
+        # group), advantages over those, then each row gets its dialogue's advantage.
+        # row_dialogue[i] = the index of row i's dialogue in `dialogues` (sorted ids).
+        dialogues, row_dialogue = torch.unique(dialogue_ids, return_inverse=True)
+        first_row = []
+        for k in range(len(dialogues)):
+            rows_of_k = torch.nonzero(row_dialogue == k).flatten()
+            first_row.append(int(rows_of_k[0]))
+        first_row = torch.tensor(first_row, dtype=torch.long)
+        per_dialogue = group_advantages(rewards[first_row], group_ids[first_row], scale, eps)
+        return per_dialogue[row_dialogue]
     adv = torch.zeros_like(rewards)
     for g in torch.unique(group_ids):
         idx = group_ids == g
@@ -67,12 +112,19 @@ def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6, 
         if (r == r[0]).all():
             continue
         a = r - r.mean()
-        adv[idx] = a / (r.std() + eps) if scale == "std" else a
+        if scale == "std":
+            a = a / (r.std() + eps)
+        adv[idx] = a
     return adv
 
 
 def aggregate(per_tok, mask, agg: str = "token-mean", token_denom=None, seq_denom=None):
-    """[N, T] per-token values -> one scalar, by one of the three aggregations (see grpo_loss)."""
+    """Per-token values -> one scalar, by one of the three aggregations (see grpo_loss; verl's
+    agg_loss offers these three, and one more).
+
+    per_tok: [N, T].  mask: [N, T] loss mask.  token_denom / seq_denom: the token / sequence
+    count to divide by instead of this call's own (see grpo_loss). Sequences with no policy
+    token do not count. Returns a scalar tensor."""
     mask = mask.float()
     if agg == "token-mean":
         return masked_mean(per_tok, mask, token_denom)
@@ -80,17 +132,29 @@ def aggregate(per_tok, mask, agg: str = "token-mean", token_denom=None, seq_deno
         seq = (per_tok * mask).sum(1)
         if agg == "seq-mean-token-mean":
             seq = seq / mask.sum(1).clamp(min=1)
-        n = seq_denom if seq_denom is not None else (mask.sum(1) > 0).sum()
+        n = seq_denom
+        if n is None:
+            n = (mask.sum(1) > 0).sum()   # sequences with at least one policy token
         return seq.sum() / torch.as_tensor(n, dtype=seq.dtype).clamp(min=1)
     raise ValueError(f"unknown loss aggregation {agg!r}")
 
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0.2, kl_coef=0.0,
               agg: str = "token-mean", token_denom=None, seq_denom=None):
-    """Clipped surrogate (+ kl_coef * k3 KL to the reference) -> one scalar.
+    """Clipped surrogate (+ kl_coef * k3 KL to the reference) -> one scalar:
 
-    agg: token-mean          sum over all tokens / number of tokens (DAPO, Dr. GRPO; long
-                             answers are not down-weighted)
+        loss_t = max(-A r_t, -A clip(r_t, 1 - eps, 1 + eps)) + kl_coef * k3_t,  r_t = pi / pi_old
+
+    (the GRPO objective of DeepSeekMath, with the KL in the loss as there, not in the reward;
+    ppo.clipped_surrogate, ppo.kl_penalty.)
+    logprobs: [N, T] current log-probs (with gradient).  old_logprobs: [N, T] at sampling time.
+    ref_logprobs: [N, T] under the reference model, or None (no KL term).
+    advantages: [N] one per row (broadcast to its tokens), or [N, T].  mask: [N, T] loss mask.
+    Returns (scalar loss, stats): clipfrac, approx_kl = mean (log r)^2 / 2, and kl (the k3
+    mean) when the KL term is on.
+
+    agg: token-mean          sum over all tokens / number of tokens (DAPO; long answers are
+                             not down-weighted)
          seq-mean-token-mean mean over sequences of each sequence's token mean (the original
                              GRPO formula)
          seq-mean-token-sum  mean over sequences of each sequence's token sum
@@ -120,9 +184,11 @@ def grpo_update(policy, optimizer, batch, cfg: GRPOConfig, accelerator=None, gen
         return {}
     check_old_logprobs(batch, cfg)
     dev = next(policy.parameters()).device
-    per_turn = len(torch.unique(batch.dialogue_ids)) < len(batch)
-    adv = group_advantages(batch.rewards, batch.group_ids, cfg.scale, cfg.eps,
-                           batch.dialogue_ids if per_turn else None)
+    # Per-turn samples (several rows per dialogue): the baseline is taken over dialogues.
+    dialogue_ids = None
+    if len(torch.unique(batch.dialogue_ids)) < len(batch):
+        dialogue_ids = batch.dialogue_ids
+    adv = group_advantages(batch.rewards, batch.group_ids, cfg.scale, cfg.eps, dialogue_ids)
     mask = batch.loss_mask.float()
     stats = []
     for _ in range(cfg.epochs):
@@ -138,16 +204,17 @@ def grpo_update(policy, optimizer, batch, cfg: GRPOConfig, accelerator=None, gen
                                          positions=mb.loss_mask)  # only the tokens the loss reads
                 # No stored old log-probs: the update is on-policy (one epoch, one minibatch), so
                 # pi_old = pi at this moment, i.e. the detached current log-probs (ratio = 1).
-                old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
-                loss, s = grpo_loss(lp, old, mb.ref_logprobs, adv[idx].to(dev), mb.loss_mask,
+                old_lp = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
+                loss, s = grpo_loss(lp, old_lp, mb.ref_logprobs, adv[idx].to(dev), mb.loss_mask,
                                     cfg.clip_eps, cfg.kl_coef, cfg.agg, n_tok, n_seq)
                 total = loss
                 if cfg.entropy_coef:
                     total = loss - cfg.entropy_coef * aggregate(ent, mb.loss_mask, cfg.agg, n_tok, n_seq)
                 backward(total, accelerator)
                 micro.append({"policy_loss": loss.item(), "entropy": masked_mean(ent.detach(), mb.loss_mask.float()).item(), **s})
-            stats.append(_minibatch_stats(micro, grad_norm=_step(policy, optimizer, cfg.max_grad_norm, accelerator)))
-    out = _mean(stats)
+            grad_norm = optimizer_step(policy, optimizer, cfg.max_grad_norm, accelerator)  # one per minibatch
+            stats.append(minibatch_stats(micro, grad_norm=grad_norm))
+    out = mean_stats(stats)
     out["optimizer_steps"] = len(stats)
     out["advantage_abs_mean"] = adv.abs().mean().item()
     out["zero_adv_frac"] = (adv == 0).float().mean().item()
