@@ -356,7 +356,7 @@ def ppo_update(policy, critic, optimizers, batch, cfg: PPOConfig, accelerator=No
     stats = []
     for _ in range(cfg.epochs):
         for micro_list in minibatches(len(batch), cfg.minibatch_size, cfg.micro_batch_size, generator):
-            n_tok, = global_counts(accelerator, mask[torch.cat(micro_list)].sum())  # all processes
+            n_tok = global_counts(accelerator, mask[torch.cat(micro_list)].sum())[0]  # all processes
             micro = []
             for idx in micro_list:
                 mb = batch.select(idx).to(dev)
