@@ -3,8 +3,9 @@
 RLVER (arXiv 2507.03112, Sec. 2.3): the reward of a whole dialogue is the simulated user's
 final emotion divided by 100, a number in [0, 1] that the environment (not a learned reward
 model) produces, hence "verifiable". With the think-then-say scaffold the policy must write
-`<think>...</think>` and then its reply in every turn; a turn that breaks the format makes the
-dialogue's reward 0.
+`<think>...</think>` and then its reply in every turn; without it, every turn must be a
+non-empty reply with no think tags. A turn that breaks its format makes the dialogue's
+reward 0.
 
 Optional shaping (off by default, not in the paper): add `shaping_coef` x the mean per-turn
 emotion change / 100, a denser signal for very short runs.
@@ -21,8 +22,10 @@ def split_think(text: str) -> tuple[str, str, bool]:
     """Split a think-then-say turn into (thought, spoken reply, format_ok).
 
     The format holds when the text is `<think>` + a non-empty thought + `</think>` + a non-empty
-    reply, with each tag exactly once. When it does not hold, the whole text (tags removed) is
-    treated as the reply, so the user still sees something sensible."""
+    reply (white space before `<think>` allowed), with each tag exactly once. When the tags are
+    in place but the thought or the reply is empty, the reply is what follows `</think>` (maybe
+    empty). Otherwise (a tag missing, repeated or out of place) the whole text, tags removed,
+    is treated as the reply, so the user still sees something sensible."""
     m = _THINK.match(text)
     if m and text.count(THINK_OPEN) == 1 and text.count(THINK_CLOSE) == 1:
         thought, reply = m.group(1).strip(), m.group(2).strip()

