@@ -25,7 +25,7 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from simulator import _json_object
+from simulator import json_object
 
 log = logging.getLogger("judge")
 
@@ -104,7 +104,7 @@ def parse_judgement(text: str) -> dict | None:
     score may be an integer, an integral float or a digit string; anything else (missing
     dimension, 0, 6, 3.5, NaN, true) makes the whole judgement unparseable: a partial or
     out-of-range answer is never averaged in."""
-    obj = _json_object(text)
+    obj = json_object(text)
     if obj is None:
         return None
     obj = {_key(k): v for k, v in obj.items()}
@@ -203,7 +203,7 @@ def label_messages(record: dict) -> list[dict]:
 
 def parse_labels(text: str, n: int):
     """-> n lists of known strategy names, or None (wrong count, unknown name: retried)."""
-    obj = _json_object(text)
+    obj = json_object(text)
     turns = obj.get("turns") if obj else None
     if not isinstance(turns, list) or len(turns) != n:
         return None

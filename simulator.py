@@ -469,7 +469,9 @@ _LABELS_CHANGE = r"(?:change|delta|emotion change|情绪变化|变化值|变化)
 _LABELS_REPLY = r"(?:reply|response|回复|回答|说)"
 
 
-def _json_object(text: str):
+def json_object(text: str):
+    """The JSON object in a model's answer (bare, in a ```json fence, or the first { .. last }
+    inside prose) -> dict, or None when there is none (also used by judge.py)."""
     text = (text or "").strip()
     text = re.sub(r"^```(?:json)?\s*|\s*```$", "", text)
     # RecursionError: a server can send JSON nested deeper than Python's stack allows.
@@ -490,7 +492,7 @@ def _json_object(text: str):
 
 def parse_appraisal(text: str) -> tuple[int, str] | None:
     """-> (change, analysis) or None. The change is NOT clamped here (the Simulator does it)."""
-    obj = _json_object(text)
+    obj = json_object(text)
     if obj is not None and "change" in obj:
         v = obj["change"]
         if isinstance(v, bool):
@@ -509,7 +511,7 @@ def parse_appraisal(text: str) -> tuple[int, str] | None:
 
 def parse_reply(text: str) -> tuple[str, bool] | None:
     """-> (reply, goodbye) or None."""
-    obj = _json_object(text)
+    obj = json_object(text)
     if obj is not None:
         r = obj.get("reply")
         if not isinstance(r, str) or not r.strip():
