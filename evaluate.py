@@ -433,20 +433,23 @@ def make_judge(args):
 def check_eval_args(args):
     """Flag values a run cannot mean: one line naming the flag (raised before any heavy work)."""
     from train import InputError
-    for flag, ok in (("--batch-size", args.batch_size >= 1), ("--max-turns", args.max_turns >= 1),
-                     ("--limit", args.limit is None or args.limit >= 1),
-                     ("--max-new-tokens", args.max_new_tokens >= 1),
-                     ("--max-total-tokens", args.max_total_tokens >= 1),
-                     ("--initial-emotion", 0 <= args.initial_emotion <= 100),
-                     ("--temperature", args.temperature >= 0),
-                     ("--simulator-timeout", args.simulator_timeout > 0),
-                     ("--simulator-call-budget", args.simulator_call_budget > 0),
-                     ("--judge-timeout", args.judge_timeout > 0), ("--judge-tries", args.judge_tries >= 1),
-                     ("--judge-workers", args.judge_workers >= 1)):
+    checks = [  # (flag, does its value hold, what it must be)
+        ("--batch-size", args.batch_size >= 1, ">= 1"),
+        ("--max-turns", args.max_turns >= 1, ">= 1"),
+        ("--limit", args.limit is None or args.limit >= 1, ">= 1"),
+        ("--max-new-tokens", args.max_new_tokens >= 1, ">= 1"),
+        ("--max-total-tokens", args.max_total_tokens >= 1, ">= 1"),
+        ("--initial-emotion", 0 <= args.initial_emotion <= 100, "in [0, 100]"),
+        ("--temperature", args.temperature >= 0, ">= 0"),
+        ("--simulator-timeout", args.simulator_timeout > 0, "> 0"),
+        ("--simulator-call-budget", args.simulator_call_budget > 0, "> 0"),
+        ("--judge-timeout", args.judge_timeout > 0, "> 0"),
+        ("--judge-tries", args.judge_tries >= 1, ">= 1"),
+        ("--judge-workers", args.judge_workers >= 1, ">= 1"),
+    ]
+    for flag, ok, need in checks:
         if not ok:
             value = getattr(args, flag[2:].replace("-", "_"))
-            need = "in [0, 100]" if flag == "--initial-emotion" else ">= 0" if flag == "--temperature" \
-                else "> 0" if flag in ("--simulator-timeout", "--simulator-call-budget", "--judge-timeout") else ">= 1"
             raise InputError(f"{flag} {value}: must be {need}")
 
 

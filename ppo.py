@@ -32,6 +32,7 @@ clip 1.0, batch 32, 1 epoch, KL 0, gamma = lambda = 1.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -295,7 +296,7 @@ def check_old_logprobs(batch, cfg):
     anywhere else it would silently train with ratio 1 after the policy moved: refuse."""
     if batch.old_logprobs is None and needs_old_logprobs(len(batch), cfg):
         raise ValueError(f"old_logprobs=None is only valid for one optimizer step per update, but this one "
-                         f"takes {cfg.epochs} epoch(s) x {-(-len(batch) // cfg.minibatch_size)} minibatch(es) "
+                         f"takes {cfg.epochs} epoch(s) x {math.ceil(len(batch) / cfg.minibatch_size)} minibatch(es) "
                          f"({len(batch)} rows, minibatch_size {cfg.minibatch_size}): compute the rollout's "
                          f"old log-probs first (rollout.add_logprobs)")
 

@@ -167,8 +167,8 @@ def _add_rows(x, k: int, T: int, value):
 # a full-size softmax gradient; the gradients are then summed out of place. Written by hand,
 # the backward of logp = z[y] - logsumexp(z) is just (onehot(y) - softmax(z)) * grad, so each
 # chunk needs one [chunk, vocab] buffer, and the weight gradient is accumulated in place into
-# one buffer (`addmm_`). That is what keeps the update's memory and time down (see README,
-# Performance).
+# one buffer (`addmm_`). That is what keeps the update's memory and time down (see
+# docs/PERFORMANCE.md).
 # --------------------------------------------------------------------------------------------
 LOGIT_CHUNK_ELEMS = 2 ** 25  # logits per chunk (32 M floats = 128 MB in fp32): ~220 positions of Qwen's vocab
 
@@ -179,6 +179,13 @@ def _compute_dtype(x, weight):
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
 
 
+def _cast_head(weight, bias, dtype):
+    """The LM head's weight and bias (None: the head has none) in the compute dtype."""
+    if bias is None:
+        return weight.to(dtype), None
+    return weight.to(dtype), bias.to(dtype)
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """h [M, H] final hidden states, targets [M] -> (logp [M], entropy [M]) of the tokens under
     softmax((h @ W.T + b) / temperature), in float32, chunk positions at a time."""
@@ -186,7 +193,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, targets, temperature, chunk, want_entropy, entropy_grad):
         cd = _compute_dtype(h, weight)
-        w, b = weight.to(cd), None if bias is None else bias.to(cd)  # cast once, not per chunk
+        w, b = _cast_head(weight, bias, cd)  # cast once, not per chunk
         lps, lses, ents = [], [], []
         for s in range(0, h.shape[0], chunk):
             z = F.linear(h[s:s + chunk].to(cd), w, b).float()  # matmul in model dtype, the rest in fp32
@@ -212,7 +219,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         h, weight, bias, targets, lse, ent = ctx.saved_tensors
         cd, temperature = ctx.cd, ctx.temperature
-        w, b = weight.to(cd), None if bias is None else bias.to(cd)
+        w, b = _cast_head(weight, bias, cd)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(h) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None  # ONE buffer, accumulated in place
@@ -501,7 +508,9 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
             texts[i].append(text)
             resp_lens[i].append(len(toks))
             reply = split_think(text)[1] if think else text.strip()
-            replies.append(reply or "...")  # only the spoken reply reaches the user
+            # Only the spoken reply reaches the user; an empty one (the format check scores it
+            # 0) still has to be answered, so the user sees "...".
+            replies.append(reply or "...")
             closed = toks[-1] == end_id
             samples[i].append((list(ctx[i]), list(toks)))
             if cfg.per_turn_samples and cfg.drop_thoughts and think:
@@ -562,7 +571,10 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
 
     batch = collate(rows, pad_id, metrics)
     if compute_logprobs and len(batch):
-        batch = add_logprobs(batch, policy, ref_model, cfg.temperature or 1.0, cfg.logprob_batch_size)
+        # Greedy decoding (temperature 0, evaluation) has no distribution to divide by: plain
+        # log-probs then (T = 1).
+        temperature = cfg.temperature if cfg.temperature else 1.0
+        batch = add_logprobs(batch, policy, ref_model, temperature, cfg.logprob_batch_size)
     return batch
 
 
@@ -811,7 +823,7 @@ def smollm2_dir() -> str:
     busy CPU); the saved directory loads in seconds. Why rebuild the model: `save_pretrained`
     refuses a gguf-loaded model ("quantized"), so we build the same architecture from its
     config and load the dequantised state dict into it. The cache folder is
-    $RLVER_SMOLLM2_CACHE, else ~/.cache/rlver-minimal/smollm2-<wheel version>; it is written
+    $RLVER_SMOLLM2_CACHE, else ~/.cache/rlver-minimal/smollm2-135m-instruct-<wheel version>; it is written
     to a temporary folder and renamed into place, so concurrent processes never see half a
     directory (the loser of a race just uses the winner's copy)."""
     import importlib.metadata

@@ -668,7 +668,8 @@ class Simulator:
 
     def step_many(self, states: list[UserState], replies: list[str]) -> list[UserState]:
         """Advance many dialogues at once: the backend calls run concurrently (bounded), so a
-        batch of 64 dialogues costs about one round trip per turn, not 64."""
+        batch of 64 dialogues costs about two round trips per turn (appraisal, then answer; in
+        sequence within a dialogue), not 2 x 64."""
         if len(states) != len(replies):
             raise ValueError("step_many: states and replies differ in length")
         return self._map(self.step, list(zip(states, replies)))
@@ -930,18 +931,28 @@ class RuleBackend:
         ok_chars = sum(_readable_char(c) for c in reply)
         user_words = {w for w in _WORD.findall(last_user.lower()) if len(w) >= 4 or ord(w[0]) > 0x4e00}
         content = [w for w in words if len(w) >= 5]  # skip short function words
-        f = {
+        if len(words) <= 80:
+            length_ok = min(1.0, len(words) / 5)  # full credit from 5 words
+        else:
+            length_ok = max(0.0, 1 - (len(words) - 80) / 80)  # a wall of text: none from 160
+        open_question = 0.0
+        if "?" in reply or "？" in reply:
+            open_question = 0.5  # a question; an open one ("how", "what", ...) counts fully
+            if any(k in low for k in _FEATURE_WORDS["open_question"]):
+                open_question = 1.0
+        repetition = 0.0
+        if len(content) >= 4:
+            repetition = 1 - len(set(content)) / len(content)  # share of repeated content words
+        return {
             "readable": ok_chars / n,
-            "length_ok": min(1.0, len(words) / 5) if len(words) <= 80 else max(0.0, 1 - (len(words) - 80) / 80),
+            "length_ok": length_ok,
             "acknowledge": float(any(k in low for k in _FEATURE_WORDS["acknowledge"])),
             "reflect": min(1.0, len(user_words & set(words)) / 2),
-            "open_question": float("?" in reply or "？" in reply) * (
-                1.0 if any(k in low for k in _FEATURE_WORDS["open_question"]) else 0.5),
+            "open_question": open_question,
             "goal": min(1.0, sum(k in low for k in _GOAL_WORDS.get(goal_type, [])) / 2),
-            "repetition": (1 - len(set(content)) / len(content)) if len(content) >= 4 else 0.0,
+            "repetition": repetition,
             "dismissive": float(any(k in low for k in _FEATURE_WORDS["dismissive"])),
         }
-        return f
 
     def appraise(self, state: UserState, reply: str) -> tuple[int, str]:
         sc = state.scenario
@@ -980,7 +991,9 @@ class RuleBackend:
         # Stochastic rounding keeps the expected change graded (a smooth signal for RL) while
         # staying an integer as in SAGE; the draw is seeded by the inputs, so it is repeatable.
         rng = self._rng(sc.id, state.turn, reply)
-        change = int(score // 1 + (rng.random() < score % 1))
+        change = math.floor(score)
+        if rng.random() < score - change:  # round up with probability = the fractional part
+            change += 1
         return change, f"{why}; rounded at random to {change:+d}"
 
     def respond(self, state: UserState, final: bool) -> tuple[str, bool]:

