@@ -25,7 +25,7 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from simulator import json_object
+from simulator import ask_until_parsed, json_object
 
 log = logging.getLogger("judge")
 
@@ -270,25 +270,14 @@ class LLMJudge:
         self.retries, self._lock = 0, threading.Lock()
 
     def _ask(self, messages, parser):
-        last = None
-        for attempt in range(self.tries):
-            if attempt:
-                with self._lock:
-                    self.retries += 1
-            try:
-                text = self.backend.chat(messages)
-                out = parser(text) if isinstance(text, str) else None
-            except Exception as e:  # transport errors were already retried by the backend
-                last = f"{type(e).__name__}: {e}"
-                continue
-            if out is not None:
-                keep = getattr(self.backend, "keep", None)
-                if keep is not None:
-                    keep(messages, text)
-                return out, None
-            last = f"unparseable: {text!r:.120}"
-        log.warning("judge gave up after %d tries: %s", self.tries, last)
-        return None, last or "no attempts"
+        out, why = ask_until_parsed(self.backend, messages, parser, self.tries, None, self._count_retry, log, "judge")
+        if out is None:
+            log.warning("judge gave up after %d tries: %s", self.tries, why)
+        return out, why
+
+    def _count_retry(self):
+        with self._lock:
+            self.retries += 1
 
     def judge_record(self, record: dict) -> dict:
         out = {}

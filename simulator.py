@@ -530,6 +530,48 @@ def parse_reply(text: str) -> tuple[str, bool] | None:
 # --------------------------------------------------------------------------------------------
 # The simulator
 # --------------------------------------------------------------------------------------------
+def ask_until_parsed(backend, messages, parser, tries: int, budget: float | None = None,
+                     on_retry=None, logger=log, who: str = "simulator"):
+    """Ask `backend.chat(messages)` until `parser` accepts the answer, at most `tries` times (the
+    backend retries transport faults itself) -> (parsed, None), or (None, why the last try
+    failed). Used by Simulator and judge.LLMJudge.
+
+    Anything the network sends back is either parsed or counted as a failed try: the backend's
+    errors and the parser's (which should not raise, but a server can send anything) are caught
+    alike. `on_retry()` is called before every try after the first. A parsed answer is handed to
+    the backend's `keep` (evaluate.CachedBackend stores parsed answers only, so a bad answer is
+    never replayed into its own retry). With `budget` (seconds for all tries together), no try
+    starts after it is spent, and a backend that takes a deadline (OpenAIBackend) cuts its
+    requests and backoffs to what is left."""
+    last = None
+    deadline = time.monotonic() + budget if budget else None
+    takes_deadline = getattr(backend, "takes_deadline", False)
+    for attempt in range(tries):
+        if deadline is not None and time.monotonic() >= deadline:
+            last = f"no answer within the call budget of {budget:g} s ({last})"
+            break
+        if attempt and on_retry is not None:
+            on_retry()
+        try:
+            if takes_deadline:
+                text = backend.chat(messages, deadline=deadline)
+            else:
+                text = backend.chat(messages)
+            out = parser(text) if isinstance(text, str) else None
+        except Exception as e:  # the backend already retried 429/5xx/timeouts
+            last = f"{type(e).__name__}: {e}"
+            logger.warning("%s backend error (try %d/%d): %.300s", who, attempt + 1, tries, last)
+            continue
+        if out is not None:
+            keep = getattr(backend, "keep", None)
+            if keep is not None:
+                keep(messages, text)
+            return out, None
+        last = f"unparseable output: {text!r:.200}"
+        logger.warning("%s output unparseable (try %d/%d): %.200r", who, attempt + 1, tries, text)
+    return None, last or "no attempts"
+
+
 class Simulator:
     """Plays the user side of many dialogues. A dialogue's state lives in its UserState, so one
     Simulator can serve any number of them; the Simulator itself holds only its settings and
@@ -565,37 +607,15 @@ class Simulator:
 
     # ---- LLM calls with retry on unparseable output (transport retries live in the backend)
     def _ask(self, messages, parser):
-        last = None
-        deadline = time.monotonic() + self.call_budget if self.call_budget else None
-        takes_deadline = getattr(self.backend, "takes_deadline", False)
-        for attempt in range(self.parse_retries):
-            if deadline is not None and time.monotonic() >= deadline:
-                last = f"no answer within the call budget of {self.call_budget:g} s ({last})"
-                break
-            if attempt:
-                with self._lock:
-                    self.counts["parse_retries"] += 1
-            # Anything the network sends back is either parsed or counted as a failed try:
-            # the backend's errors and the parser's (which should not raise, but a server can
-            # send anything) are caught alike, so nothing from the network escapes step().
-            try:
-                text = (self.backend.chat(messages, deadline=deadline) if takes_deadline
-                        else self.backend.chat(messages))
-                out = parser(text) if isinstance(text, str) else None
-            except Exception as e:  # the backend already retried 429/5xx/timeouts
-                last = f"{type(e).__name__}: {e}"
-                log.warning("simulator backend error (try %d/%d): %.300s", attempt + 1,
-                            self.parse_retries, last)
-                continue
-            if out is not None:
-                keep = getattr(self.backend, "keep", None)  # evaluate.CachedBackend: store parsed answers only
-                if keep is not None:
-                    keep(messages, text)
-                return out
-            last = f"unparseable output: {text!r:.200}"
-            log.warning("simulator output unparseable (try %d/%d): %.200r", attempt + 1,
-                        self.parse_retries, text)
-        raise SimulatorError(last or "no attempts")
+        out, why = ask_until_parsed(self.backend, messages, parser, self.parse_retries, self.call_budget,
+                                    self._count_parse_retry, log, "simulator")
+        if out is None:
+            raise SimulatorError(why)
+        return out
+
+    def _count_parse_retry(self):
+        with self._lock:
+            self.counts["parse_retries"] += 1
 
     def _appraise(self, state, reply):
         if hasattr(self.backend, "appraise"):  # RuleBackend: no prompts, direct scoring
@@ -878,6 +898,7 @@ _GOAL_HINTS = {
            "empathy": "你能体会那种感觉吗？", "venting": "我就是想说出来。",
            "praise": "我真的很努力了。", "validation": "我没错吧？", "": ""},
 }
+_OPENING = {"en": "Can I talk to you?", "zh": "能和你聊聊吗？"}  # + the background's first sentence
 _BYE = {"en": {True: "Thank you, really. I think I'm okay now. Bye!", False: "I'm leaving. Bye."},
         "zh": {True: "真的谢谢你，我觉得好多了，再见！", False: "我走了，再见。"}}
 
@@ -889,7 +910,7 @@ def rule_user_phrases(language: str = "en") -> list[str]:
     something the tiny model can say."""
     out = [k for d in (_FEATURE_WORDS, _GOAL_WORDS) for ks in d.values() for k in ks]
     out += [r for rs in _REPLIES[language].values() for r in rs] + list(_GOAL_HINTS[language].values())
-    out += list(_BYE[language].values()) + ["Can I talk to you?" if language == "en" else "能和你聊聊吗？"]
+    out += list(_BYE[language].values()) + [_OPENING[language]]
     # The keyword lists hold both languages: keep the phrases written in this one.
     return [p for p in out if p and p.isascii() == (language == "en")]
 
@@ -1011,7 +1032,8 @@ class RuleBackend:
 
     def opening(self, sc: Scenario) -> str:
         first = re.split(r"(?<=[.!?。！？])\s*", sc.background.strip())[0]
-        return (f"Can I talk to you? {first}" if sc.language == "en" else f"能和你聊聊吗？{first}")
+        space = " " if sc.language == "en" else ""  # Chinese runs on without a space
+        return f"{_OPENING[sc.language]}{space}{first}"
 
     def _rng(self, *key) -> random.Random:
         h = hashlib.sha256(repr((self.seed, *key)).encode()).digest()
