@@ -973,7 +973,10 @@ def main(argv=None):
     try:
         train(cfg)
     except InputError as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
+        # One write call, newline included: ranks share one stderr pipe, and with an unbuffered
+        # stderr (PYTHONUNBUFFERED=1) print() makes two writes, text then "\n", which interleave
+        # when several ranks fail at once ("...launchtrain.py: error: ...", seen in CI).
+        sys.stderr.write(f"train.py: error: {e}\n")
         return 2
     return 0
 

@@ -74,6 +74,27 @@ def test_bad_input_fails_fast_with_one_line(flags, msg, tmp_path, capsys, monkey
     assert not (tmp_path / "out" / "checkpoints").exists()  # nothing heavy happened
 
 
+def test_error_line_is_one_write_so_ranks_do_not_interleave(tmp_path, monkeypatch):
+    """Every rank of a multi-process launch writes the same error to one shared stderr pipe.
+    With PYTHONUNBUFFERED=1, print() writes the text and the newline separately, so two ranks
+    failing at once gave "...launchtrain.py: error: ...launch" on one line (CI run of
+    test_multiprocess). One write call per line keeps each rank's line whole (a pipe write
+    under 4 KiB is atomic). The recorder below stands for that unbuffered stderr."""
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    assert main(["--save-every", "0", "--output-dir", str(tmp_path / "out"), "--report-to", "none"]) == 2
+    errors = [w for w in writes if "train.py: error:" in w]
+    assert len(errors) == 1 and errors[0].startswith("train.py: error:") and errors[0].endswith("\n"), writes
+
+
 def run_train(args, **kw):
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
