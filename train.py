@@ -473,9 +473,8 @@ def check_checkpoint(path: str):
     if not os.path.isdir(path):
         raise InputError(f"--resume {path}: no such checkpoint directory")
     try:
-        step = json.load(open(os.path.join(path, "trainer_state.json")))["step"]
-        assert isinstance(step, int)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        checkpoint_step(path)
+    except (OSError, ValueError, KeyError, TypeError):
         raise InputError(f"--resume {path}: not a checkpoint of train.py "
                          f"(no readable trainer_state.json with a step)") from None
 
@@ -823,6 +822,15 @@ def save_final(accelerator, policy, tok, path):
     accelerator.wait_for_everyone()
 
 
+def checkpoint_step(path: str) -> int:
+    """The step a checkpoint was saved after (its trainer_state.json): the step to resume at."""
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        step = json.load(f)["step"]
+    if not isinstance(step, int):
+        raise TypeError(f"{path}: trainer_state.json's step is not an integer: {step!r:.40}")
+    return step
+
+
 def find_resume(cfg):
     if cfg.resume != "auto":
         return cfg.resume or None
@@ -842,7 +850,7 @@ def resume_if_asked(accelerator, cfg: Config) -> int:
     start = 0
     if resume:
         accelerator.load_state(resume)
-        start = json.load(open(os.path.join(resume, "trainer_state.json")))["step"]
+        start = checkpoint_step(resume)
         if accelerator.is_main_process:
             log.info("resumed from %s at step %d", resume, start)
     if accelerator.is_main_process:

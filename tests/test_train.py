@@ -95,6 +95,19 @@ def test_error_line_is_one_write_so_ranks_do_not_interleave(tmp_path, monkeypatc
     assert len(errors) == 1 and errors[0].startswith("train.py: error:") and errors[0].endswith("\n"), writes
 
 
+def test_checkpoint_with_a_non_integer_step_is_refused_under_python_O(tmp_path):
+    """The check was an `assert`, which `python -O` strips: a checkpoint whose step is "3"
+    passed it there and failed later, mid-resume. Now a plain check, also under -O."""
+    ckpt = tmp_path / "step_000003"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text('{"step": "3"}')
+    code = ("import sys; from train import InputError, check_checkpoint\n"
+            "try:\n    check_checkpoint(sys.argv[1])\nexcept InputError as e:\n    print('refused:', e)")
+    p = subprocess.run([sys.executable, "-O", "-c", code, str(ckpt)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and "refused:" in p.stdout and "not a checkpoint of train.py" in p.stdout, p.stderr
+
+
 def run_train(args, **kw):
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
