@@ -403,7 +403,8 @@ def play(policy, tok, sim, scenarios, args, transcript_path: str, label: str, do
 
 def make_judge(args):
     """--judge* flags -> a judge (judge.py) or None. The LLM judge's calls go through
-    CachedBackend (judge_cache.jsonl in --output-dir): a rerun replays every parsed answer.
+    CachedBackend (judge_cache.jsonl in --output-dir, which main() has created): a rerun
+    replays every parsed answer.
     Raises ValueError / ConnectionError (one line) before any heavy work."""
     from judge import LLMJudge, RuleJudge
     kind = args.judge
@@ -420,7 +421,6 @@ def make_judge(args):
     backend = OpenAIBackend(args.judge_base_url, args.judge_model, args.judge_api_key_env, temperature=0.0,
                             timeout=args.judge_timeout, max_tokens=1024)
     backend.check()
-    os.makedirs(args.output_dir, exist_ok=True)
     return LLMJudge(CachedBackend(backend, os.path.join(args.output_dir, "judge_cache.jsonl")),
                     f"llm:{args.judge_model}", tries=args.judge_tries)
 
@@ -497,10 +497,9 @@ def main(argv=None):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if not args.model and not args.score:
         ap.error("give at least one --model or --score")
+    from simulator import ScenarioError, Simulator, eval_initial_emotion, load_scenarios, make_backend
     if args.initial_emotion is None:
-        args.initial_emotion = 30 if args.user == "challenging" else 40
-
-    from simulator import ScenarioError, Simulator, load_scenarios, make_backend
+        args.initial_emotion = eval_initial_emotion(args.user)
     from train import InputError, check_model_arg, make_output_dir
     try:
         check_eval_args(args)
@@ -509,6 +508,7 @@ def main(argv=None):
         taken = set()
         for path in args.score:  # validate inputs before any heavy work
             results[label_for(os.path.splitext(path)[0], taken)] = load_transcripts(path)
+        labels = [label_for(m, taken) for m in args.model]
         if args.model:
             scenarios = load_scenarios(args.scenarios)[:args.limit]
             backend = make_backend(args.simulator, args.simulator_base_url, args.simulator_model,
@@ -518,12 +518,10 @@ def main(argv=None):
                 backend.check()
             for m in args.model:
                 check_model_arg("--model", m)
-            labels = [label_for(m, taken) for m in args.model]
-            make_output_dir("--output-dir", args.output_dir)
-            done = {label: resume_transcripts(os.path.join(args.output_dir, label, "transcripts.jsonl"),
-                                              args.replay_errors) for label in labels}
-        else:
-            make_output_dir("--output-dir", args.output_dir)
+        make_output_dir("--output-dir", args.output_dir)
+        # An earlier run's finished dialogues, read (and a cut last line dropped) before any model loads.
+        done = {label: resume_transcripts(os.path.join(args.output_dir, label, "transcripts.jsonl"),
+                                          args.replay_errors) for label in labels}
         judge = make_judge(args)
     except (ScenarioError, ValueError, ConnectionError, InputError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)

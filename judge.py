@@ -25,7 +25,7 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from simulator import ask_until_parsed, json_object
+from simulator import ask_until_parsed, content_words, json_object, word_list
 
 log = logging.getLogger("judge")
 
@@ -149,7 +149,6 @@ _STRATEGY_WORDS = {
     "sharing": ["i remember", "i once", "i think", "i love", "i like", "me too", "haha", "funny",
                 "我也", "我觉得", "我喜欢", "哈哈"],
 }
-_WORD = re.compile(r"[a-zA-Z']+|[\u4e00-\u9fff]")
 
 
 def rule_labels(reply: str, last_user: str) -> list[str]:
@@ -157,8 +156,7 @@ def rule_labels(reply: str, last_user: str) -> list[str]:
     of the user's content words (4+ letters, or Chinese characters)."""
     low = reply.lower()
     out = [s for s, words in _STRATEGY_WORDS.items() if any(w in low for w in words)]
-    user_words = {w for w in _WORD.findall(last_user.lower()) if len(w) >= 4 or ord(w[0]) > 0x4e00}
-    if len(user_words & set(_WORD.findall(low))) >= 2:
+    if len(content_words(last_user) & set(word_list(reply))) >= 2:
         out.append("reflection")
     return sorted(out, key=list(STRATEGIES).index)
 
@@ -241,13 +239,15 @@ class RuleJudge:
         n = len(turns)
         if not n:
             return {**out, "judge_error": "no supporter turns"}
-        share = lambda pred: sum(map(pred, labels)) / n  # noqa: E731
+
+        def share(pred):  # the share of supporter turns whose labels satisfy `pred`
+            return sum(map(pred, labels)) / n
         heard, advice = False, 0.0
         for ls in labels:
             if "advice" in ls:
                 advice += 1.0 if heard else 0.5
             heard = heard or "validation" in ls or "reflection" in ls
-        openings = [" ".join(_WORD.findall(r.lower())[:3]) for r, _, _ in turns]
+        openings = [" ".join(word_list(r)[:3]) for r, _, _ in turns]
         repeats = sum(o in openings[:i] for i, o in enumerate(openings) if o) / n
         fits = [0.5 <= (len(r) + 1) / (len(u) + 1) <= 3.0 for r, u, _ in turns]
         out["capability"] = {
@@ -281,14 +281,14 @@ class LLMJudge:
 
     def judge_record(self, record: dict) -> dict:
         out = {}
-        if not supporter_turns(record):
+        n = len(supporter_turns(record))
+        if not n:
             return {"judge_error": "no supporter turns"}
         cap, err = self._ask(judge_messages(record), parse_judgement)
         out["capability"] = cap
         if err:
             out["judge_error"] = err
         if self.labels:
-            n = len(supporter_turns(record))
             labels, lerr = self._ask(label_messages(record), lambda t: parse_labels(t, n))
             out["strategies"] = labels
             if lerr:

@@ -214,6 +214,16 @@ class UserState:
 #                spans the whole scale, so it never binds). Termination is the same.
 USERS = {"standard": {"max_change": 10, "initial_emotion": None},
          "challenging": {"max_change": 100, "initial_emotion": 30}}
+SAGE_INITIAL_EMOTION = 40  # SAGE's evaluation protocol starts every dialogue at 40
+
+
+def eval_initial_emotion(user: str) -> int:
+    """Where an evaluation dialogue starts: the user's own start (challenging: 30), else
+    SAGE's 40 (evaluate.py and the demo; training starts from 30, train.py's --initial-emotion)."""
+    own = USERS[user]["initial_emotion"]
+    if own is None:
+        return SAGE_INITIAL_EMOTION
+    return own
 
 
 class SimulatorError(RuntimeError):
@@ -849,6 +859,20 @@ class HFBackend:
 
 # ---- RuleBackend: interpretable features -> emotion change. No LLM, deterministic given seed.
 _WORD = re.compile(r"[a-zA-Z']+|[\u4e00-\u9fff]")
+
+
+def word_list(text: str) -> list[str]:
+    """The words of `text`, lower-cased: English words (apostrophes kept) and single Chinese
+    characters. The unit the rule user (RuleBackend) and the rule judge (judge.py) count in."""
+    return _WORD.findall(text.lower())
+
+
+def content_words(text: str) -> set[str]:
+    """The words of `text` that carry content: English words of 4+ letters and Chinese
+    characters. A reply "reflects" the user when it reuses them (RuleBackend, judge.py)."""
+    return {w for w in word_list(text) if len(w) >= 4 or ord(w[0]) > 0x4e00}
+
+
 _FEATURE_WORDS = {
     "acknowledge": ["sounds", "feel", "understand", "must be", "hard", "tough", "frustrat",
                     "hurt", "sorry", "makes sense", "of course", "感受", "理解", "难受", "辛苦", "委屈"],
@@ -947,10 +971,10 @@ class RuleBackend:
 
     def features(self, reply: str, last_user: str, goal_type: str) -> dict[str, float]:
         low = reply.lower()
-        words = _WORD.findall(low)
+        words = word_list(reply)
         n = len(reply) or 1
         ok_chars = sum(_readable_char(c) for c in reply)
-        user_words = {w for w in _WORD.findall(last_user.lower()) if len(w) >= 4 or ord(w[0]) > 0x4e00}
+        user_words = content_words(last_user)
         content = [w for w in words if len(w) >= 5]  # skip short function words
         if len(words) <= 80:
             length_ok = min(1.0, len(words) / 5)  # full credit from 5 words
@@ -1095,10 +1119,8 @@ def main(argv=None):
         ap.error(str(e))
     sc = scenarios[args.index % len(scenarios)]
     initial = args.initial_emotion
-    if initial is None:  # the user's own start (challenging: 30), else SAGE's 40
-        initial = USERS[args.user]["initial_emotion"]
     if initial is None:
-        initial = 40
+        initial = eval_initial_emotion(args.user)
     sim = Simulator(backend, initial_emotion=initial, max_turns=len(DEMO_REPLIES), user=args.user)
     st = sim.reset(sc)
     print(f"scenario {sc.id} ({sc.personality_type}, goal: {sc.goal_type or sc.hidden_goal}), {args.user} user")

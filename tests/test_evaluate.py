@@ -272,7 +272,7 @@ def test_bad_score_files_are_one_line_errors(line, msg, tmp_path, capsys):
     p.write_text('{"emotion": 50}\n' + ("[" * 200_000 if line == "DEEP" else line) + "\n")
     assert main(["--score", str(p), "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
-    assert f"s.jsonl:2: " in err and msg in err and len(err.splitlines()) == 1, err
+    assert "s.jsonl:2: " in err and msg in err and len(err.splitlines()) == 1, err
 
 
 # ---------------------------------------------------------------- issue 16: the paper's full evaluation
