@@ -3,11 +3,11 @@
     python benchmarks/bench_fsdp_generate.py                  # launches itself on 2 processes
     python benchmarks/bench_fsdp_generate.py --hidden 256 --layers 4 --rounds 3 --new-tokens 32
 
-Both modes are train.py's own code paths: `generation_mode` (generate on the sharded model with
-synced_gpus; a process whose dialogues ended joins with dummy forward passes) and
-`make_generation_copy` / `refresh_generation_copy` (all-gather the weights once, then generate
-with no collectives). Each round plays the same scenarios with the same seed in both modes
-(interleaved, medians over rounds). Collectives are counted with the profiler (every gloo
+Both modes are train.py's own code path, `run_rollout`: without a generation copy it generates on
+the sharded model (`generation_mode`: synced_gpus; a process whose dialogues ended joins with
+dummy forward passes, `any_process_active`), with one (`make_generation_copy`) it all-gathers the
+weights once (`refresh_generation_copy`), then generates with no collectives. Each round plays
+the same scenarios with the same seed in both modes (interleaved, medians over rounds). Collectives are counted with the profiler (every gloo
 operation on either path: FSDP's all-gathers, DTensor's, synced_gpus' all-reduces). Printed by
 the main process: seconds per rollout, the ratio sharded / copy, and collectives per rollout.
 On one CPU the collectives are cheap (loopback); on a GPU node each of FSDP's per-step
@@ -37,9 +37,9 @@ def count_collectives(fn):
 def worker(args):
     import torch
     from accelerate import Accelerator
-    from rollout import GenConfig, make_tiny_policy, rollout
+    from rollout import GenConfig, make_tiny_policy
     from simulator import RuleBackend, Simulator, load_scenarios
-    from train import generation_mode, make_generation_copy, refresh_generation_copy
+    from train import Config, make_generation_copy, run_rollout
 
     acc = Accelerator()
     policy, tok = make_tiny_policy(seed=0, hidden_size=args.hidden, num_layers=args.layers)
@@ -51,19 +51,13 @@ def worker(args):
     sim = Simulator(RuleBackend(seed=0), initial_emotion=args.initial_emotion, max_turns=args.turns)
     gc = GenConfig(max_new_tokens=args.new_tokens, temperature=1.0)
     copy = make_generation_copy(acc.unwrap_model(policy), acc.device, torch.float32)
+    cfg = Config(group_size=args.group, think=False)
 
-    def any_active(local):
-        flag = torch.tensor([float(local)])
-        return bool(acc.reduce(flag, reduction="sum").item() > 0)
+    def sharded():  # train.py with --no-gather-for-generation
+        return run_rollout(acc, policy, None, tok, sim, mine, cfg, gc)
 
-    def sharded():
-        with generation_mode(acc, policy) as (m, kw):
-            return rollout(m, tok, sim, mine, args.group, False, gc, compute_logprobs=False,
-                           generate_kwargs=kw, any_active=any_active)
-
-    def gathered():
-        refresh_generation_copy(acc.unwrap_model(policy), copy)
-        return rollout(copy, tok, sim, mine, args.group, False, gc, compute_logprobs=False)
+    def gathered():  # train.py's default under FSDP: refresh the copy, then generate from it
+        return run_rollout(acc, policy, copy, tok, sim, mine, cfg, gc)
 
     modes = (("sharded", sharded), ("copy", gathered))
     colls, toks = {}, {}
