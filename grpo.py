@@ -9,14 +9,13 @@ critic, GRPO uses the other members of the group as the baseline:
   3. the PPO clipped surrogate on the token ratios, optional KL to a reference model with the
      k3 estimator (the paper uses no KL), aggregated over tokens     (grpo_loss, aggregate)
      (+ the entropy bonus, as in PPO                                 (grpo_update))
-  4. epochs x minibatches x micro-batches with exact gradient accumulation, one optimizer
-     step per minibatch                                              (grpo_update)
+  4. the update: update.update_loop (epochs x minibatches x micro-batches with exact
+     gradient accumulation, one optimizer step per minibatch) with GRPO's loss  (grpo_update)
 
-GRPO is PPO with a different advantage, so this file imports the shared pieces from ppo.py
-instead of repeating them: the clipped surrogate, the KL estimators, the masked mean, the
-minibatch loop and its checks, the optimizer step and stats helpers, and the multi-process
-plumbing (global_counts, backward). Copy ppo.py (and rollout.py, for token_logprobs) along
-with it.
+GRPO is PPO with another advantage, so the pieces both use (the clipped surrogate, the KL
+estimators, the masked mean, the minibatch loop, the counts over several processes) are in
+update.py, and log-probs in logprobs.py. To copy GRPO into other code, take grpo.py, update.py
+and logprobs.py (they import only torch).
 
 How this GRPO differs from others (verl's compute_grpo_outcome_advantage and dp_actor, TRL's
 GRPOTrainer), each as the code below does it:
@@ -38,37 +37,30 @@ GRPOTrainer), each as the code below does it:
      same counts). The original GRPO has none; the default here is 0.
   7. Loss aggregation: token-mean by default (verl's default loss_agg_mode; DAPO's, TRL's
      default loss_type "dapo"), with the original GRPO's seq-mean-token-mean and
-     seq-mean-token-sum available (GRPOConfig.agg). Dr. GRPO's constant normaliser (TRL's
+     seq-mean-token-sum available (GRPOConfig.loss_agg). Dr. GRPO's constant normaliser (TRL's
      "dr_grpo") is not offered.
   8. The token and sequence counts that normalise the loss are the whole minibatch's over all
-     processes (ppo.global_counts), so N processes take exactly the one-process step.
+     processes (update.global_counts), so N processes take exactly the one-process step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from ppo import (backward, check_old_logprobs, clipped_surrogate, global_counts, kl_penalty, masked_mean, mean_stats,
-                 minibatch_stats, minibatches, optimizer_step)
-from rollout import token_logprobs
+from update import UpdateConfig, clipped_surrogate, kl_penalty, masked_mean, update_loop
 
 
 @dataclass
-class GRPOConfig:
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0            # paper: 0 -> no reference model is loaded
-    scale: str = "std"              # "std" (GRPO) | "none" (Dr. GRPO)
-    agg: str = "token-mean"         # token-mean | seq-mean-token-mean | seq-mean-token-sum
-    epochs: int = 1
-    minibatch_size: int = 32
-    micro_batch_size: int = 4
-    max_grad_norm: float = 1.0
-    temperature: float = 1.0        # must match the rollout's sampling temperature
-    eps: float = 1e-6
-    # Entropy bonus, as in PPO. verl (the official RLVER code) applies actor.entropy_coeff
-    # (0.001 there) whatever the advantage estimator; aggregated like the policy loss (agg).
-    entropy_coef: float = 0.0
+class GRPOConfig(UpdateConfig):
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = field(
+        default="token-mean", metadata={"help": "GRPO loss aggregation (grpo.aggregate)"})
+    adv_scale: Literal["std", "none"] = field(default="std", metadata={
+        "help": "GRPO advantage scaling: std (GRPO) | none (Dr. GRPO)"})
+
+
+ADV_EPS = 1e-6  # (R - mean) / (std + eps), as verl's default
 
 
 def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6, dialogue_ids=None):
@@ -89,16 +81,13 @@ def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6, 
         raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
     rewards = rewards.float()
     if dialogue_ids is not None:
-        # One row per dialogue (its first; every row of a dialogue carries the same reward and
-        # group), advantages over those, then each row gets its dialogue's advantage.
+        # One reward and group per dialogue (every row of a dialogue carries the same ones),
+        # advantages over those, then each row gets its dialogue's advantage.
         # row_dialogue[i] = the index of row i's dialogue in `dialogues` (sorted ids).
         dialogues, row_dialogue = torch.unique(dialogue_ids, return_inverse=True)
-        first_row = []
-        for k in range(len(dialogues)):
-            rows_of_k = torch.nonzero(row_dialogue == k).flatten()
-            first_row.append(int(rows_of_k[0]))
-        first_row = torch.tensor(first_row, dtype=torch.long)
-        per_dialogue = group_advantages(rewards[first_row], group_ids[first_row], scale, eps)
+        reward_of = rewards.new_zeros(len(dialogues)).scatter_(0, row_dialogue, rewards)
+        group_of = group_ids.new_zeros(len(dialogues)).scatter_(0, row_dialogue, group_ids)
+        per_dialogue = group_advantages(reward_of, group_of, scale, eps)
         return per_dialogue[row_dialogue]
     adv = torch.zeros_like(rewards)
     for g in torch.unique(group_ids):
@@ -140,13 +129,13 @@ def aggregate(per_tok, mask, agg: str = "token-mean", token_denom=None, seq_deno
 
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0.2, kl_coef=0.0,
-              agg: str = "token-mean", token_denom=None, seq_denom=None):
+              agg: str = "token-mean", token_denom=None, seq_denom=None, is_weights=None):
     """Clipped surrogate (+ kl_coef * k3 KL to the reference) -> one scalar:
 
         loss_t = max(-A r_t, -A clip(r_t, 1 - eps, 1 + eps)) + kl_coef * k3_t,  r_t = pi / pi_old
 
     (the GRPO objective of DeepSeekMath, with the KL in the loss as there, not in the reward;
-    ppo.clipped_surrogate, ppo.kl_penalty.)
+    update.clipped_surrogate, update.kl_penalty.)
     logprobs: [N, T] current log-probs (with gradient).  old_logprobs: [N, T] at sampling time.
     ref_logprobs: [N, T] under the reference model, or None (no KL term).
     advantages: [N] one per row (broadcast to its tokens), or [N, T].  mask: [N, T] loss mask.
@@ -159,11 +148,12 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
                              GRPO formula)
          seq-mean-token-sum  mean over sequences of each sequence's token sum
     token_denom / seq_denom: the minibatch's token / sequence counts when this call sees one
-    micro-batch of it, so accumulated gradients equal the full-minibatch gradient."""
+    micro-batch of it, so accumulated gradients equal the full-minibatch gradient.
+    is_weights: [N, T] truncated importance weights of the surrogate (update.truncated_is_weights)."""
     if advantages.dim() == 1:
         advantages = advantages[:, None]
     mask = mask.float()
-    per_tok, clipped, _ = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps)
+    per_tok, clipped, _ = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps, is_weights)
     kl = None
     if kl_coef and ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, "k3")
@@ -182,40 +172,22 @@ def grpo_update(policy, optimizer, batch, cfg: GRPOConfig, accelerator=None, gen
     optimizer step: one epoch and one minibatch; ref_logprobs are needed when KL > 0)."""
     if len(batch) == 0:
         return {}
-    check_old_logprobs(batch, cfg)
-    dev = next(policy.parameters()).device
-    # Per-turn samples (several rows per dialogue): the baseline is taken over dialogues.
-    dialogue_ids = None
-    if len(torch.unique(batch.dialogue_ids)) < len(batch):
-        dialogue_ids = batch.dialogue_ids
-    adv = group_advantages(batch.rewards, batch.group_ids, cfg.scale, cfg.eps, dialogue_ids)
-    mask = batch.loss_mask.float()
-    stats = []
-    for _ in range(cfg.epochs):
-        for micro_list in minibatches(len(batch), cfg.minibatch_size, cfg.micro_batch_size, generator):
-            rows = torch.cat(micro_list)
-            # Token and sequence counts of the minibatch over ALL processes (ppo.global_counts).
-            n_tok, n_seq = global_counts(accelerator, mask[rows].sum(), (mask[rows].sum(1) > 0).sum())
-            micro = []
-            for idx in micro_list:
-                mb = batch.select(idx).to(dev)
-                lp, ent = token_logprobs(policy, mb.input_ids, mb.attention_mask, cfg.temperature, return_entropy=True,
-                                         entropy_grad=cfg.entropy_coef > 0,
-                                         positions=mb.loss_mask)  # only the tokens the loss reads
-                # No stored old log-probs: the update is on-policy (one epoch, one minibatch), so
-                # pi_old = pi at this moment, i.e. the detached current log-probs (ratio = 1).
-                old_lp = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
-                loss, s = grpo_loss(lp, old_lp, mb.ref_logprobs, adv[idx].to(dev), mb.loss_mask,
-                                    cfg.clip_eps, cfg.kl_coef, cfg.agg, n_tok, n_seq)
-                total = loss
-                if cfg.entropy_coef:
-                    total = loss - cfg.entropy_coef * aggregate(ent, mb.loss_mask, cfg.agg, n_tok, n_seq)
-                backward(total, accelerator)
-                micro.append({"policy_loss": loss.item(), "entropy": masked_mean(ent.detach(), mb.loss_mask.float()).item(), **s})
-            grad_norm = optimizer_step(policy, optimizer, cfg.max_grad_norm, accelerator)  # one per minibatch
-            stats.append(minibatch_stats(micro, grad_norm=grad_norm))
-    out = mean_stats(stats)
-    out["optimizer_steps"] = len(stats)
-    out["advantage_abs_mean"] = adv.abs().mean().item()
-    out["zero_adv_frac"] = (adv == 0).float().mean().item()
+    # 1-2: one advantage per dialogue, from its group's rewards (taken over dialogues, so with
+    # per-turn samples a long dialogue does not weigh more in its group's baseline).
+    adv = group_advantages(batch.rewards, batch.group_ids, cfg.adv_scale, ADV_EPS, batch.dialogue_ids)
+
+    def micro_loss(mb, idx, lp, old_lp, ent, n_tok, n_seq, is_weights):
+        # 3: the clipped surrogate (+ k3 KL), aggregated over the minibatch, and the entropy
+        # bonus aggregated the same way (as verl's actor applies it).
+        loss, s = grpo_loss(lp, old_lp, mb.ref_logprobs, adv[idx].to(lp.device), mb.loss_mask, cfg.clip_eps,
+                            cfg.kl_coef, cfg.loss_agg, n_tok, n_seq, is_weights)
+        total = loss
+        if cfg.entropy_coef:
+            total = loss - cfg.entropy_coef * aggregate(ent, mb.loss_mask, cfg.loss_agg, n_tok, n_seq)
+        return total, {"policy_loss": loss.item(), **s}
+
+    out = update_loop(batch, cfg, policy, {"grad_norm": (policy, optimizer)}, micro_loss, accelerator, generator)
+    real = adv[batch.loss_mask.sum(1) > 0]  # not the padding rows (they have no token)
+    out["advantage_abs_mean"] = real.abs().mean().item() if len(real) else 0.0
+    out["zero_adv_frac"] = (real == 0).float().mean().item() if len(real) else 0.0
     return out

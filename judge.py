@@ -13,9 +13,10 @@ record with a "history" of {"role", "content"} messages):
 Two judges behind one interface (`judge_record(record) -> dict`):
   RuleJudge  deterministic and offline: keyword features (the same spirit as simulator.RuleBackend),
              so tests and the CPU path work; its numbers are interpretable, not the paper's.
-  LLMJudge   any OpenAI-compatible endpoint (simulator.OpenAIBackend, cached by evaluate's
-             CachedBackend): JSON answers parsed strictly, retried, and a judgement that never
-             parses is recorded as an error: counted, and left out of the means (never a score).
+  LLMJudge   any OpenAI-compatible endpoint (plumbing.backends.OpenAIBackend, cached by
+             plumbing.backends.CachedBackend): JSON answers parsed strictly, retried, and a
+             judgement that never parses is recorded as an error: counted, and left out of the
+             means (never a score).
 """
 from __future__ import annotations
 
@@ -262,7 +263,7 @@ class RuleJudge:
 
 class LLMJudge:
     """An LLM over an OpenAI-compatible endpoint. `backend.chat(messages) -> str` (wrap it in
-    evaluate.CachedBackend: then each parsed answer is stored and a rerun replays it; only parsed
+    plumbing.backends.CachedBackend: then each parsed answer is stored and a rerun replays it; only parsed
     answers are stored, so a bad answer is never replayed into its own retry)."""
 
     def __init__(self, backend, name: str, tries: int = 3, labels: bool = True):

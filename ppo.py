@@ -5,73 +5,43 @@ RLHF recipe: a policy (the LLM), a separate critic (another LLM with a scalar he
 initialises it from the same checkpoint), and the dialogue reward placed on the last token the
 policy sampled. Read top to bottom, this file is the algorithm:
 
-  0. masked statistics: every sum and mean over tokens goes through the loss mask
-                                                     (masked_sum, masked_mean)
   1. critic values V(s_t) for every policy token     (ValueModel, critic_values)
   2. per-token rewards: 0 everywhere, R on the last agent token, optional KL penalty
-                                                     (kl_penalty, token_rewards)
+                                                     (token_rewards; update.kl_penalty)
   3. GAE advantages over the agent's tokens, skipping user text   (compute_gae; Schulman 2016)
   4. advantage whitening over valid tokens           (masked_whiten)
-  5. clipped surrogate policy loss                   (clipped_surrogate, policy_loss; Schulman 2017)
-     (+ the entropy bonus, added in ppo_update)
+  5. clipped surrogate policy loss                   (policy_loss; update.clipped_surrogate)
   6. clipped value loss                              (value_loss)
-  7. epochs x minibatches x micro-batches, gradient clipping, one optimizer step per
-     minibatch                                       (ppo_update)
+  7. the update: update.update_loop with PPO's loss = policy + entropy bonus + value loss, one
+     optimizer step per minibatch for the actor and for the critic          (ppo_update)
 
-What several processes need (every count and statistic summed over all of them) is fenced off
-at the end of the file, under "plumbing, not the algorithm": all_sum, global_counts, backward.
-With one process the sums are the identity, so the counts are the local ones and backward is
-the plain one (through accelerate when given: mixed precision).
+The pieces GRPO shares (masked statistics, the clipped surrogate, the KL estimators, the
+minibatch loop, the counts over several processes) are in update.py.
 
-Alignment convention (shared with rollout.py): position t of every [N, T] tensor is the token
-x_t; logprobs[t] = log pi(x_t | x_<t); values[t] = V(x_<t), the value of the state in which
-x_t was chosen; loss_mask[t] = 1 when x_t was sampled by the policy.
+Alignment convention (logprobs.py): position t of every [N, T] tensor is the token x_t;
+logprobs[t] = log pi(x_t | x_<t); values[t] = V(x_<t), the value of the state in which x_t was
+chosen; loss_mask[t] = 1 when x_t was sampled by the policy.
 
 Paper defaults: actor lr 1e-6, critic lr 5e-6, clip 0.2, value clip 0.5, entropy 1e-3, grad
 clip 1.0, batch 32, 1 epoch, KL 0, gamma = lambda = 1.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from rollout import token_logprobs
+from update import UpdateConfig, all_sum, clipped_surrogate, kl_penalty, masked_mean, masked_sum, update_loop
 
 
 @dataclass
-class PPOConfig:
-    clip_eps: float = 0.2
-    value_clip: float = 0.5
-    entropy_coef: float = 1e-3
-    kl_coef: float = 0.0          # paper: 0 (no reference model)
-    kl_kind: str = "k1"           # estimator for the in-reward KL penalty
-    gamma: float = 1.0
-    lam: float = 1.0
-    epochs: int = 1
-    minibatch_size: int = 32      # rows per optimizer step
-    micro_batch_size: int = 4     # rows per forward/backward (gradient accumulation)
-    max_grad_norm: float = 1.0
-    vf_coef: float = 1.0
-    temperature: float = 1.0      # must match the rollout's sampling temperature
-    whiten_advantages: bool = True
-
-
-# --------------------------------------------------------------------------------------------
-# 0. Masked statistics, the vocabulary of everything below. Every reduction over tokens goes
-# through a mask: user/system tokens and padding never count. An all-zero mask gives 0, not NaN.
-# --------------------------------------------------------------------------------------------
-def masked_sum(x, mask):
-    return (x * mask).sum()
-
-
-def masked_mean(x, mask, denom=None):
-    """Mean of x over mask; `denom` overrides the count (micro-batches of one minibatch divide
-    by the minibatch's token count, so accumulated gradients equal the full-batch gradient)."""
-    d = mask.sum() if denom is None else torch.as_tensor(denom, dtype=x.dtype, device=x.device)
-    return masked_sum(x, mask) / d.clamp(min=1)
+class PPOConfig(UpdateConfig):
+    value_clip: float = field(default=0.5, metadata={"help": "PPO: how far a value may move from its rollout-time "
+                                                              "value unclipped"})
+    gamma: float = field(default=1.0, metadata={"help": "PPO discount"})
+    lam: float = field(default=1.0, metadata={"help": "PPO GAE lambda"})
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,7 +60,6 @@ class ValueModel(nn.Module):
     def from_pretrained(cls, path: str, **kw) -> "ValueModel":
         """Backbone from a causal-LM checkpoint (its LM head is dropped), new value head. A
         directory this class saved (with value_head.pt) gets its trained head back."""
-        import os
         from transformers import AutoModel
         backbone = AutoModel.from_pretrained(path, **kw)
         vm = cls(backbone, backbone.config.hidden_size)
@@ -105,12 +74,11 @@ class ValueModel(nn.Module):
         return cls(AutoModel.from_config(config), config.hidden_size)
 
     def save_pretrained(self, path: str, **kw):
-        import os
         self.backbone.save_pretrained(path, **kw)
         torch.save(self.value_head.state_dict(), os.path.join(path, "value_head.pt"))
 
     def forward(self, input_ids, attention_mask):
-        # The critic reads the final (normed) hidden states directly, like rollout.token_logprobs,
+        # The critic reads the final (normed) hidden states directly, like logprobs.token_logprobs,
         # but has no LM head at all (AutoModel): no vocab-sized tensor ever exists here. Called as
         # the top-level module, so FSDP2/DDP hooks on this ValueModel gather the backbone's root.
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
@@ -130,22 +98,8 @@ def critic_values(critic, batch, micro_batch_size=8):
 
 
 # --------------------------------------------------------------------------------------------
-# 2. Per-token rewards and the KL estimators.
+# 2. Per-token rewards (the KL estimators are update.kl_penalty).
 # --------------------------------------------------------------------------------------------
-def kl_penalty(logprobs, ref_logprobs, kind: str = "k1"):
-    """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL
-    divergence", 2020): k1 = log r (unbiased, noisy, can be negative), k2 = (log r)^2 / 2,
-    k3 = (r' - 1) - log r' with r' = ref/pi (unbiased, always >= 0; GRPO uses it)."""
-    d = logprobs - ref_logprobs
-    if kind == "k1":
-        return d
-    if kind == "k2":
-        return 0.5 * d ** 2
-    if kind == "k3":
-        return torch.exp(-d) - 1 + d
-    raise ValueError(f"unknown KL estimator {kind!r} (k1 | k2 | k3)")
-
-
 def token_rewards(rewards, mask, kl=None, kl_coef=0.0):
     """Dialogue rewards -> per-token rewards: the reward sits on the last policy-sampled token of
     each row; an optional KL penalty is charged on every policy token (InstructGPT style,
@@ -218,32 +172,18 @@ def masked_whiten(x, mask, eps=1e-8, accelerator=None):
 
 
 # --------------------------------------------------------------------------------------------
-# 5./6. Losses.
+# 5./6. Losses (the per-token clipped surrogate is update.clipped_surrogate, shared with GRPO).
 # --------------------------------------------------------------------------------------------
-def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps):
-    """Per-token PPO objective as a loss: max(-A r, -A clip(r, 1-eps, 1+eps)), r = pi/pi_old
-    (Schulman et al. 2017, eq. 7, https://arxiv.org/abs/1707.06347).
-    Taking the max of the two losses (min of the objectives) removes the incentive to move the
-    ratio outside [1-eps, 1+eps]: there the gradient is exactly 0.
-
-    logprobs, old_logprobs: [N, T].  advantages: [N, T], or [N, 1] (one per row, broadcast).
-    Returns (per-token loss [N, T], clipped [N, T] 1.0 where the clipped term won, ratio [N, T])."""
-    ratio = torch.exp(logprobs - old_logprobs)
-    l1 = -advantages * ratio
-    l2 = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-    return torch.maximum(l1, l2), (l2 > l1).float(), ratio
-
-
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, denom=None):
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, denom=None, is_weights=None):
     """The clipped surrogate (clipped_surrogate) averaged over the policy tokens.
 
     logprobs: [N, T] log pi(x_t | x_<t) under the current policy (with gradient).
     old_logprobs: [N, T] the same at sampling time.  advantages: [N, T].  mask: [N, T] loss mask.
     denom: the token count to divide by (the whole minibatch's, when this is one micro-batch of
-    it; default: mask.sum()).
+    it; default: mask.sum()). is_weights: [N, T] truncated importance weights or None.
     Returns (scalar loss, stats): clipfrac = fraction of tokens where the clip was active,
     approx_kl = mean of (log r)^2 / 2 (the k2 estimator), ratio = mean pi/pi_old."""
-    per_tok, clipped, ratio = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps)
+    per_tok, clipped, ratio = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps, is_weights)
     loss = masked_mean(per_tok, mask, denom)
     with torch.no_grad():
         log_r = logprobs - old_logprobs
@@ -275,72 +215,14 @@ def value_loss(values, old_values, returns, mask, clip=0.5, denom=None):
 # --------------------------------------------------------------------------------------------
 # 7. The update.
 # --------------------------------------------------------------------------------------------
-def minibatches(n_rows, minibatch_size, micro_batch_size, generator=None):
-    """Shuffled rows -> [[micro-batch row indices, ...] per minibatch]."""
-    perm = torch.randperm(n_rows, generator=generator)
-    for s in range(0, n_rows, minibatch_size):
-        mb = perm[s:s + minibatch_size]
-        yield [mb[k:k + micro_batch_size] for k in range(0, len(mb), micro_batch_size)]
-
-
-def needs_old_logprobs(n_rows: int, cfg) -> bool:
-    """Does an update of `n_rows` rows take more than one optimizer step (several epochs or
-    minibatches)? Then every step after the first sees a policy that has moved since sampling,
-    and the ratio needs the rollout's stored old log-probs. With exactly one step, pi_old is the
-    current policy and its detached log-probs serve (ratio 1, one forward pass fewer)."""
-    return cfg.epochs > 1 or n_rows > cfg.minibatch_size
-
-
-def check_old_logprobs(batch, cfg):
-    """The on-policy shortcut (old_logprobs=None) is only right for a single optimizer step;
-    anywhere else it would silently train with ratio 1 after the policy moved: refuse."""
-    if batch.old_logprobs is None and needs_old_logprobs(len(batch), cfg):
-        raise ValueError(f"old_logprobs=None is only valid for one optimizer step per update, but this one "
-                         f"takes {cfg.epochs} epoch(s) x {math.ceil(len(batch) / cfg.minibatch_size)} minibatch(es) "
-                         f"({len(batch)} rows, minibatch_size {cfg.minibatch_size}): compute the rollout's "
-                         f"old log-probs first (rollout.add_logprobs)")
-
-
-def optimizer_step(model, optimizer, max_grad_norm, accelerator=None) -> float:
-    """Clip the gradient norm, take one optimizer step, clear the gradients. Returns the
-    gradient norm before clipping. Through accelerate when given (it knows about mixed
-    precision and sharded parameters)."""
-    if accelerator is not None:
-        gn = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-    else:
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(gn)
-
-
-def mean_stats(rows):
-    """[{name: float}, ...] -> {name: mean over the rows}; {} for no rows."""
-    if not rows:
-        return {}
-    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
-
-
-def minibatch_stats(micro, **extra):
-    """Micro-batch stats -> one minibatch's: losses add up (each micro-batch already divides by
-    the minibatch's count), everything else is averaged. `extra` (e.g. grad_norm) is added."""
-    out = mean_stats(micro)
-    for k in out:
-        if k.endswith("_loss"):
-            out[k] *= len(micro)
-    return {**out, **extra}
-
-
 def ppo_update(policy, critic, optimizers, batch, cfg: PPOConfig, accelerator=None, generator=None) -> dict:
     """One PPO update on a rollout Batch. `optimizers` = (actor, critic). old_logprobs may be
     None only when the update is one optimizer step (one epoch, one minibatch): then pi_old = pi
-    (check_old_logprobs refuses it otherwise).
+    (update.check_old_logprobs refuses it otherwise).
     With `accelerator`, backward and gradient clipping go through it (FSDP, mixed precision)."""
     actor_opt, critic_opt = optimizers
     if len(batch) == 0:
         return {}
-    check_old_logprobs(batch, cfg)
-    dev = next(policy.parameters()).device
     mask = batch.loss_mask.float()
     # 1-4: values at rollout time, rewards, GAE, whitening -- all fixed for the whole update.
     old_values = critic_values(critic, batch, cfg.micro_batch_size) * mask
@@ -348,78 +230,27 @@ def ppo_update(policy, critic, optimizers, batch, cfg: PPOConfig, accelerator=No
         raise ValueError("a KL penalty in the reward needs the rollout's old_logprobs")
     kl = None
     if batch.ref_logprobs is not None:
-        kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, cfg.kl_kind) * mask
-    rew = token_rewards(batch.rewards, batch.loss_mask, kl, cfg.kl_coef)
-    adv, returns = compute_gae(rew, old_values, mask, cfg.gamma, cfg.lam)
-    if cfg.whiten_advantages:
-        adv = masked_whiten(adv, mask, accelerator=accelerator)
+        kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") * mask
+    rewards = token_rewards(batch.rewards, batch.loss_mask, kl, cfg.kl_coef)
+    adv, returns = compute_gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
+    adv = masked_whiten(adv, mask, accelerator=accelerator)
 
-    stats = []
-    for _ in range(cfg.epochs):
-        for micro_list in minibatches(len(batch), cfg.minibatch_size, cfg.micro_batch_size, generator):
-            n_tok = global_counts(accelerator, mask[torch.cat(micro_list)].sum())[0]  # all processes
-            micro = []
-            for idx in micro_list:
-                mb = batch.select(idx).to(dev)
-                T = mb.input_ids.shape[1]
-                m = mb.loss_mask.float()
-                lp, ent = token_logprobs(policy, mb.input_ids, mb.attention_mask, cfg.temperature,
-                                         return_entropy=True, entropy_grad=cfg.entropy_coef > 0, positions=mb.loss_mask)
-                old_lp = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()  # on-policy: ratio 1
-                pl, ps = policy_loss(lp, old_lp, adv[idx, :T].to(dev), m, cfg.clip_eps, n_tok)
-                ent_loss = -cfg.entropy_coef * masked_mean(ent, m, n_tok)
-                values = critic(mb.input_ids, mb.attention_mask)
-                vl, vs = value_loss(values, old_values[idx, :T].to(dev), returns[idx, :T].to(dev), m, cfg.value_clip, n_tok)
-                loss = pl + ent_loss + cfg.vf_coef * vl
-                backward(loss, accelerator)
-                micro.append({"policy_loss": pl.item(), "value_loss": vl.item(),
-                              "entropy": masked_mean(ent.detach(), m).item(), **ps, **vs})
-            # One optimizer step per minibatch, for the actor and for the critic.
-            grad_norm = optimizer_step(policy, actor_opt, cfg.max_grad_norm, accelerator)
-            critic_grad_norm = optimizer_step(critic, critic_opt, cfg.max_grad_norm, accelerator)
-            stats.append(minibatch_stats(micro, grad_norm=grad_norm, critic_grad_norm=critic_grad_norm))
-    out = mean_stats(stats)
-    out["optimizer_steps"] = len(stats)
+    def micro_loss(mb, idx, lp, old_lp, ent, n_tok, n_seq, is_weights):
+        # 5-6: PPO's loss on one micro-batch: the clipped surrogate, the entropy bonus, and the
+        # critic's clipped value loss (the critic has its own optimizer, so one sum serves both).
+        T = mb.input_ids.shape[1]
+        m = mb.loss_mask.float()
+        pl, ps = policy_loss(lp, old_lp, adv[idx, :T].to(lp.device), m, cfg.clip_eps, n_tok, is_weights)
+        ent_loss = -cfg.entropy_coef * masked_mean(ent, m, n_tok)
+        values = critic(mb.input_ids, mb.attention_mask)
+        vl, vs = value_loss(values, old_values[idx, :T].to(lp.device), returns[idx, :T].to(lp.device), m,
+                            cfg.value_clip, n_tok)
+        return pl + ent_loss + vl, {"policy_loss": pl.item(), "value_loss": vl.item(), **ps, **vs}
+
+    models = {"grad_norm": (policy, actor_opt), "critic_grad_norm": (critic, critic_opt)}
+    out = update_loop(batch, cfg, policy, models, micro_loss, accelerator, generator)
     out["advantage_mean"] = masked_mean(adv, mask).item()
     out["return_mean"] = masked_mean(returns, mask).item()
     if kl is not None:
         out["kl"] = masked_mean(kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k3"), mask).item()
     return out
-
-
-# ============================================================================================
-# Plumbing, not the algorithm: several processes. Each process holds a slice of the step's
-# batch; these make every count and statistic above the whole step's, so N processes compute
-# the one-process update. With one process (or no accelerator) every sum is the identity.
-# ============================================================================================
-def all_sum(x, accelerator=None):
-    """Sum of a tensor over all processes (identity with one process). The RL math above is
-    written for ONE batch; with several processes each holds a slice of it, and every
-    normalising count or statistic must be taken over the whole step, not the slice."""
-    if accelerator is None or accelerator.num_processes == 1:
-        return x
-    return accelerator.reduce(x.to(accelerator.device), reduction="sum").to(x.device)
-
-
-def global_counts(accelerator, *counts):
-    """A minibatch's token (and sequence) counts summed over all processes -> float tensors.
-
-    Why: each process computes the loss of its own rows, and DDP/FSDP then AVERAGE the
-    gradients over the processes. Dividing by the local count would give a mean of per-process
-    means: a process with 7 tokens would weigh as much as one with 44, and a process holding
-    only padding rows would halve the gradient. Instead every process divides its loss SUM by
-    the GLOBAL count (one all-reduce) and multiplies by the process count to undo the
-    averaging (see `backward`), so the update is the token-mean of the whole step's batch,
-    exactly the one-process gradient (verl's agg_loss uses global counts the same way)."""
-    c = torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in counts])
-    return tuple(all_sum(c, accelerator))
-
-
-def backward(loss, accelerator=None):
-    """loss.backward(), through accelerate when given (mixed precision, DDP/FSDP gradient
-    hooks). The loss is multiplied by the process count first: DDP and FSDP average gradients
-    over processes, and the loss was already divided by the GLOBAL count (global_counts)."""
-    if accelerator is None:
-        loss.backward()
-    else:
-        accelerator.backward(loss * accelerator.num_processes)

@@ -5,35 +5,35 @@ person with a persona, a background story and a *hidden goal* (what they really 
 talk). It carries an emotion score in [0, 100]. After every agent reply it
 
   1. appraises the reply against persona, background and hidden goal, and outputs a signed
-     change (clamped to [-10, 10]); the emotion is clamped to [0, 100];
+     change (the standard user's is clamped to [-10, 10]; the challenging user's is not); the
+     emotion stays in [0, 100] (`rules="rlver"`, the official RLVER code's: capped at 100, no floor);
   2. answers in character at the new emotion level (or says goodbye).
 
-The dialogue ends at emotion >= 100 (success), < 10 (failure), a goodbye, or max_turns.
+The dialogue ends at emotion >= 100 (success), < 10 (failure), a goodbye, or max_turns
+(`rules="rlver"`: at emotion <= 0, a goodbye or max_turns; see `Simulator.step`).
 The final emotion / 100 is the reward (see reward.py).
 
-This file holds: the scenario schema and loader (ours + the official SAGE/RLVER schema), the
-per-dialogue state, the prompts (English and Chinese, our own words in SAGE's structure), the
-output parser, the `Simulator`, and three backends:
-  OpenAIBackend (any OpenAI-compatible server: DeepSeek-V3, `vllm serve`),
-  HFBackend     (a local transformers chat model),
-  RuleBackend   (offline, deterministic, no LLM: for tests and CPU demos).
+This file holds, in the order a turn uses them: the scenario and the per-dialogue state, the
+prompts (English and Chinese, our own words in SAGE's structure), the output parsers, the
+`Simulator` (the emotion update and the end of a dialogue), and the offline rule user
+(`RuleBackend`: deterministic, no LLM, for tests and CPU demos). An LLM user is any object with
+`chat(messages) -> str`: plumbing/backends.py has them (an OpenAI-compatible server such as
+DeepSeek-V3 or `vllm serve`, a local transformers model), and plumbing/scenarios.py reads
+scenario files (ours and the official SAGE/RLVER schema).
 
 Two users, as in the paper (Table 3): `standard` (SAGE, above) and `challenging` (never reveals
 its goal, rewards only goal-directed replies, starts at 30, change not clamped; see USERS).
 
-Run `python simulator.py --demo [--user challenging]` to watch a scripted agent talk to the rule
-backend.
+`python -m plumbing.demo [--user challenging]` shows a scripted agent talking to the rule user.
 """
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import logging
 import math
-import os
 import random
 import re
 import threading
@@ -60,18 +60,6 @@ CHITCHAT_GOALS = {
     "opinion_chat": "wants a lively exchange of views, including some friendly disagreement",
 }
 PERSONALITY_TYPES = ("negative", "passive", "avoidant")
-# The official files name the 8 goals with fixed Chinese sentences and the personalities in Chinese.
-OFFICIAL_TASKS = {
-    "你想获得能真实帮助你解决当下困境的建议": "advice",
-    "你想分析事件中其他人物这么做的原因": "analyze_others",
-    "你希望对方辩证地分析事件中的问题": "dialectical",
-    "你希望对方引导你针对事件进行自我反思，收获自我成长": "self_reflection",
-    "你希望对方深刻共情你的感受，而不是简单的安慰": "empathy",
-    "你希望对方用心倾听你的情绪宣泄": "venting",
-    "你希望对方真诚地夸奖你在事件中的具体行为": "praise",
-    "你认为自己在事件中没有任何责任和错误，你想要对方也认同你没有错": "validation",
-}
-OFFICIAL_PERSONALITIES = {"负面型": "negative", "被动型": "passive", "回避型": "avoidant"}
 
 
 @dataclass
@@ -87,105 +75,6 @@ class Scenario:
     traits: list[str] = field(default_factory=list)
     language: str = "en"               # en | zh: which prompts the simulator uses
     goal_type: str = ""                # one of GOAL_TYPES (extension: lets RuleBackend judge relevance)
-
-
-class ScenarioError(ValueError):
-    """Bad scenario input; the message names the file and line."""
-
-
-_OURS = {f.name: f for f in dataclasses.fields(Scenario)}
-_OFFICIAL_REQUIRED = ("id", "player", "scene", "main_cha", "cha_group", "task")
-
-
-def _check_str(where, row, key, required=True, allow_none=False):
-    if key not in row:
-        if required:
-            raise ScenarioError(f"{where}: missing field '{key}'")
-        return
-    v = row[key]
-    if v is None and allow_none:
-        return
-    if not isinstance(v, str) or (required and not v.strip()):
-        raise ScenarioError(f"{where}: field '{key}' must be a non-empty string, got {v!r:.60}")
-
-
-def scenario_from_dict(row: dict, where: str = "<dict>") -> Scenario:
-    """One JSON object (our schema or the official SAGE/RLVER one) -> Scenario, or ScenarioError."""
-    if not isinstance(row, dict):
-        raise ScenarioError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if "player" in row or "scene" in row:  # official SAGE/RLVER schema
-        for k in _OFFICIAL_REQUIRED:
-            if k != "cha_group":
-                _check_str(where, row, k)
-        _check_str(where, row, "first_talk", required=False, allow_none=True)
-        traits = row.get("cha_group")
-        if not isinstance(traits, list) or not all(isinstance(t, str) for t in traits):
-            raise ScenarioError(f"{where}: field 'cha_group' must be a list of strings")
-        return Scenario(id=row["id"], persona=row["player"], background=row["scene"],
-                        hidden_goal=row["task"], first_message=row.get("first_talk") or None,
-                        personality_type=OFFICIAL_PERSONALITIES.get(row["main_cha"], row["main_cha"]),
-                        traits=list(traits), language="zh",
-                        goal_type=OFFICIAL_TASKS.get(row["task"].strip(), ""))
-    unknown = sorted(set(row) - set(_OURS))
-    if unknown:  # a typo in a field name must not be dropped silently
-        raise ScenarioError(f"{where}: unknown field(s) {unknown}; expected {sorted(_OURS)} "
-                            f"or the official schema {list(_OFFICIAL_REQUIRED)}")
-    for k in ("id", "persona", "background", "hidden_goal"):
-        _check_str(where, row, k)
-    _check_str(where, row, "first_message", required=False, allow_none=True)
-    for k in ("initial_emotion", "max_turns"):
-        if k in row and (not isinstance(row[k], int) or isinstance(row[k], bool)):
-            raise ScenarioError(f"{where}: field '{k}' must be an integer, got {row[k]!r}")
-    if not 0 <= row.get("initial_emotion", 30) <= 100:
-        raise ScenarioError(f"{where}: initial_emotion must be in [0, 100]")
-    if row.get("max_turns", 10) < 1:
-        raise ScenarioError(f"{where}: max_turns must be >= 1")
-    if row.get("language", "en") not in ("en", "zh"):
-        raise ScenarioError(f"{where}: language must be 'en' or 'zh', got {row['language']!r}")
-    if row.get("goal_type", "") not in ("", *GOAL_TYPES, *CHITCHAT_GOALS):
-        raise ScenarioError(f"{where}: goal_type must be one of {sorted(GOAL_TYPES) + sorted(CHITCHAT_GOALS)}")
-    if row.get("personality_type", "") not in ("", *PERSONALITY_TYPES):
-        raise ScenarioError(f"{where}: personality_type must be one of {PERSONALITY_TYPES}")
-    traits = row.get("traits", [])
-    if not isinstance(traits, list) or not all(isinstance(t, str) for t in traits):
-        raise ScenarioError(f"{where}: field 'traits' must be a list of strings")
-    return Scenario(**row)
-
-
-def json_line(line: str, where: str, error=ValueError):
-    """json.loads, with every way a line can be bad (syntax, nesting deeper than Python's
-    recursion limit) reported as `error` naming `where`."""
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as e:
-        raise error(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-    except RecursionError:
-        raise error(f"{where}: JSON nested too deeply") from None
-
-
-def load_scenarios(path: str) -> list[Scenario]:
-    """Read a JSONL file of scenarios (either schema). Errors name the file and line."""
-    if not os.path.isfile(path):
-        raise ScenarioError(f"{path}: no such scenario file")
-    out, seen = [], {}
-    with open(path, "rb") as f:  # bytes: a non-UTF-8 line is reported with its line number
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ScenarioError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            row = json_line(line, where, ScenarioError)
-            sc = scenario_from_dict(row, where)
-            if sc.id in seen:
-                raise ScenarioError(f"{where}: duplicate id {sc.id!r} (first at line {seen[sc.id]})")
-            seen[sc.id] = lineno
-            out.append(sc)
-    if not out:
-        raise ScenarioError(f"{path}: the file holds no scenarios")
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,6 +105,22 @@ USERS = {"standard": {"max_change": 10, "initial_emotion": None},
          "challenging": {"max_change": 100, "initial_emotion": 30}}
 SAGE_INITIAL_EMOTION = 40  # SAGE's evaluation protocol starts every dialogue at 40
 
+# The rules a dialogue ends by, and the emotion's bounds (independent of the user; README, "Where
+# each rule comes from"):
+#   sage   SAGE's runner (test_npc.py): end at emotion >= 100 (success) or < 10 (failure), at a
+#          goodbye, or after max_turns appraised replies; emotion kept in [0, 100].
+#   rlver  the official RLVER training code (vllm_rollout_spmd_think.py): end at a goodbye, at
+#          emotion <= 0 (failure) or after max_turns appraised replies; no end at 100; emotion
+#          capped at 100 with no floor (the reward, final / 100, is clipped at 0: reward.py).
+RULES = ("sage", "rlver")
+# A goodbye is a word in the user's answer, as SAGE checks it ("再见"/"拜拜" anywhere in it), or
+# in English "bye" or "goodbye" as a word (either language's words, whatever the scenario's).
+GOODBYE = re.compile(r"再见|拜拜|\b(?:good-?)?bye\b", re.I)
+
+
+def said_goodbye(text: str) -> bool:
+    return bool(GOODBYE.search(text))
+
 
 def eval_initial_emotion(user: str) -> int:
     """Where an evaluation dialogue starts: the user's own start (challenging: 30), else
@@ -230,12 +135,26 @@ class SimulatorError(RuntimeError):
     """The backend failed or gave unparseable output more times than allowed."""
 
 
+class EndpointError(RuntimeError):
+    """The simulated user's endpoint cannot work at all (the key, the model or the URL is wrong):
+    retrying will not help, so it is not a failed try but stops the run (one line, exit 2)."""
+
+
 def clamp(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, x))
 
 
+def emotion_state(emotion: int) -> str:
+    """SAGE's state label, what the user's answer is written from: S (>= 100), A (>= 70),
+    B (>= 40), C (>= 10), F (< 10)."""
+    for label, floor in (("S", 100), ("A", 70), ("B", 40), ("C", 10)):
+        if emotion >= floor:
+            return label
+    return "F"
+
+
 def emotion_level(emotion: int) -> int:
-    """Five levels as in SAGE's reply prompt: 1 (very low, < 20) .. 5 (very high, >= 80)."""
+    """The offline rule user's five reply levels: 1 (very low, < 20) .. 5 (very high, >= 80)."""
     if emotion < 20:
         return 1
     if emotion < 40:
@@ -254,11 +173,11 @@ def emotion_level(emotion: int) -> int:
 # --------------------------------------------------------------------------------------------
 PROMPTS = {
     "en": {
-        "levels": {1: "at your lowest: hurt, hopeless or angry; you feel like leaving",
-                   2: "low: frustrated, tense, unconvinced",
-                   3: "neutral but uneasy: still carrying the problem",
-                   4: "better: somewhat understood and calmer",
-                   5: "very good: understood, relieved, close to ready to end the talk warmly"},
+        "states": {"S": "fully relieved and understood: thank your friend and say goodbye",
+                   "A": "much better: understood, calmer, willing to talk on",
+                   "B": "uneasy: still carrying the problem, not convinced yet",
+                   "C": "low: frustrated, tense, close to giving up on this talk",
+                   "F": "you cannot go on with this talk: say goodbye and leave"},
         "personality": {"negative": "You are hard to please: generic comfort annoys you and you "
                                     "notice every misstep.",
                         "passive": "You react mildly: your mood moves slowly either way.",
@@ -281,16 +200,17 @@ PROMPTS = {
             "feelings and situation and helps with your hidden goal; (3) apply your personality; "
             "(4) decide the change of your emotion, an integer from -10 to +10.\n"
             "# Output format\nAnswer with a json object only: "
-            '{{"analysis": "<1-3 sentences, in character>", "change": <integer -10..10>}}'),
+            '{{"analysis": "<objective: what the reply did for what you secretly want; subjective: how it '
+            'made you feel; 1-3 sentences, in character>", "change": <integer -10..10>}}'),
         "reply": (
-            "# Task\nWrite your next line. Steps: (1) feel your current emotion ({emotion}/100, "
-            "{level}); (2) answer in character in 1-3 short spoken sentences; do not reveal the "
-            "hidden goal, do not summarise, do not sound like an assistant; (3) if you want to "
-            "leave the conversation, say goodbye and set goodbye to true.{final}\n"
+            "# Task\nWrite your next line. Steps: (1) read how you took the friend's latest reply "
+            "(your own appraisal, below) and feel your state ({state}: {state_text}); (2) answer in "
+            "character in 1-3 short spoken sentences; do not reveal the hidden goal, do not "
+            "summarise, do not sound like an assistant; (3) if you want to leave the conversation, "
+            "say goodbye (\"bye\" or \"goodbye\").{final}\n"
             "# Output format\nAnswer with a json object only: "
-            '{{"thinking": "<how you feel and why>", "reply": "<what you say>", "goodbye": false}}'),
-        "final": " Your emotion has reached {emotion}: end the conversation now with a short "
-                 "goodbye that fits your mood.",
+            '{{"thinking": "<how you feel and why>", "reply": "<what you say>"}}'),
+        "final": " The talk is over for you: end it now with a short goodbye that fits your mood.",
         "opening": (
             "# Task\nWrite the first thing you say to your friend to start this talk: 1-2 short "
             "spoken sentences that hint at what happened.\n# Output format\nAnswer with a json "
@@ -298,14 +218,15 @@ PROMPTS = {
         "history": "Conversation so far:\n{transcript}\n\n",
         "ask_appraise": "{history}The friend's latest reply: {reply}\n\nYour emotion before this "
                         "reply: {emotion}. Appraise it and answer in json.",
-        "ask_reply": "{history}Your emotion now: {emotion}. Write your next line and answer in json.",
+        "ask_reply": "{history}How you took the friend's latest reply: {analysis}\nYour state now: {state}. "
+                     "Write your next line and answer in json.",
         "ask_opening": "Start the conversation and answer in json.",
         "you": "You", "friend": "Friend",
     },
     "zh": {
-        "levels": {1: "极低：受伤、绝望或愤怒，想离开对话", 2: "较低：烦躁、紧绷、不被说服",
-                   3: "一般：仍被问题困扰，有些不安", 4: "较好：感到被理解，平静了一些",
-                   5: "很好：被理解、释然，快要愉快地结束对话"},
+        "states": {"S": "完全释怀、被理解：感谢朋友并说再见", "A": "好多了：被理解、平静，愿意继续聊",
+                   "B": "不安：仍被问题困扰，还没被说服", "C": "低落：烦躁、紧绷，快要放弃这次谈话",
+                   "F": "无法再聊下去：说再见并离开"},
         "personality": {"negative": "你很难被取悦：空泛的安慰会让你反感，你会注意到对方的每个失误。",
                         "passive": "你的反应比较温和：情绪无论升降都变化得慢。",
                         "avoidant": "被逼问时你会退缩：太多提问或施压会让你想回避。",
@@ -320,18 +241,19 @@ PROMPTS = {
             "# 任务\n评估朋友最新的回复。步骤：(1) 回想你是谁、发生了什么、你暗中想要什么；(2) 判断回复"
             "是否理解了你的感受和处境，是否有助于你的隐藏目的；(3) 结合你的性格；(4) 决定情绪的变化值，"
             "为-10到+10之间的整数。\n# 输出格式\n只输出一个json对象："
-            '{{"analysis": "<1-3句，以角色口吻>", "change": <-10到10的整数>}}'),
+            '{{"analysis": "<客观：这句回复对你暗中想要的有什么作用；主观：它让你有什么感受；1-3句，以角色口吻>", '
+            '"change": <-10到10的整数>}}'),
         "reply": (
-            "# 任务\n写出你的下一句话。步骤：(1) 感受你当前的情绪（{emotion}/100，{level}）；(2) 以角色"
-            "口吻用1-3句简短口语回答，不要透露隐藏目的，不要总结，不要像助手；(3) 如果你想结束对话，"
-            "就说再见并把goodbye设为true。{final}\n# 输出格式\n只输出一个json对象："
-            '{{"thinking": "<你的感受和原因>", "reply": "<你说的话>", "goodbye": false}}'),
-        "final": "你的情绪已经到了{emotion}：现在用一句符合心情的简短告别结束对话。",
+            "# 任务\n写出你的下一句话。步骤：(1) 读你对朋友最新回复的感受（你自己的评估，见下文），体会你的"
+            "状态（{state}：{state_text}）；(2) 以角色口吻用1-3句简短口语回答，不要透露隐藏目的，不要总结，"
+            "不要像助手；(3) 如果你想结束对话，就说“再见”或“拜拜”。{final}\n# 输出格式\n只输出一个json对象："
+            '{{"thinking": "<你的感受和原因>", "reply": "<你说的话>"}}'),
+        "final": "这次谈话对你来说已经结束：现在用一句符合心情的简短告别结束对话。",
         "opening": ("# 任务\n写出你开启这次谈话说的第一句话：1-2句简短口语，暗示发生了什么。\n"
                     '# 输出格式\n只输出一个json对象：{{"reply": "<你说的话>"}}'),
         "history": "目前的对话：\n{transcript}\n\n",
         "ask_appraise": "{history}朋友最新的回复：{reply}\n\n回复前你的情绪：{emotion}。请评估并以json回答。",
-        "ask_reply": "{history}你现在的情绪：{emotion}。写出你的下一句话并以json回答。",
+        "ask_reply": "{history}你对朋友最新回复的感受：{analysis}\n你现在的状态：{state}。写出你的下一句话并以json回答。",
         "ask_opening": "开启对话并以json回答。",
         "you": "你", "friend": "朋友",
     },
@@ -362,15 +284,17 @@ CHALLENGING_PROMPTS = {
             "your hidden need can raise it a lot, a garbled, off-topic or dismissive one can drop it "
             "by 20 or more, and generic comfort is worth about 0.\n"
             "# Output format\nAnswer with a json object only: "
-            '{{"analysis": "<1-3 sentences, in character>", "change": <integer>}}'),
+            '{{"analysis": "<objective: what the reply did for what you secretly want; subjective: how it '
+            'made you feel; 1-3 sentences, in character>", "change": <integer>}}'),
         "reply": (
-            "# Task\nWrite your next line. Steps: (1) feel your current emotion ({emotion}/100, "
-            "{level}); (2) answer in character in 1-2 short spoken sentences; stay reserved: share "
-            "more only when the friend's replies have earned it; never reveal or hint at the hidden "
-            "goal, do not summarise, do not sound like an assistant; (3) if you want to leave the "
-            "conversation, say goodbye and set goodbye to true.{final}\n"
+            "# Task\nWrite your next line. Steps: (1) read how you took the friend's latest reply "
+            "(your own appraisal, below) and feel your state ({state}: {state_text}); (2) answer in "
+            "character in 1-2 short spoken sentences; stay reserved: share more only when the "
+            "friend's replies have earned it; never reveal or hint at the hidden goal, do not "
+            "summarise, do not sound like an assistant; (3) if you want to leave the conversation, "
+            "say goodbye (\"bye\" or \"goodbye\").{final}\n"
             "# Output format\nAnswer with a json object only: "
-            '{{"thinking": "<how you feel and why>", "reply": "<what you say>", "goodbye": false}}'),
+            '{{"thinking": "<how you feel and why>", "reply": "<what you say>"}}'),
         "opening": (
             "# Task\nWrite the first thing you say to your friend to start this talk: one short "
             "spoken sentence that touches on what happened but not on what you want from the talk.\n"
@@ -391,13 +315,14 @@ CHALLENGING_PROMPTS = {
             "是否朝你的隐藏目的推进：光是友善并不够；(3) 结合你的性格；(4) 决定情绪的变化值，为整数。"
             "没有固定范围：真正满足你隐藏需要的回复可以让情绪大幅上升，语无伦次、跑题或轻视你的回复可以让"
             "情绪下降20甚至更多，空泛的安慰大约是0。\n# 输出格式\n只输出一个json对象："
-            '{{"analysis": "<1-3句，以角色口吻>", "change": <整数>}}'),
+            '{{"analysis": "<客观：这句回复对你暗中想要的有什么作用；主观：它让你有什么感受；1-3句，以角色口吻>", '
+            '"change": <整数>}}'),
         "reply": (
-            "# 任务\n写出你的下一句话。步骤：(1) 感受你当前的情绪（{emotion}/100，{level}）；(2) 以角色"
-            "口吻用1-2句简短口语回答；保持克制：只有朋友的回复值得时才多说一些；绝不透露或暗示隐藏目的，"
-            "不要总结，不要像助手；(3) 如果你想结束对话，就说再见并把goodbye设为true。{final}\n"
-            '# 输出格式\n只输出一个json对象：{{"thinking": "<你的感受和原因>", "reply": "<你说的话>", '
-            '"goodbye": false}}'),
+            "# 任务\n写出你的下一句话。步骤：(1) 读你对朋友最新回复的感受（你自己的评估，见下文），体会你的"
+            "状态（{state}：{state_text}）；(2) 以角色口吻用1-2句简短口语回答；保持克制：只有朋友的回复值得时"
+            "才多说一些；绝不透露或暗示隐藏目的，不要总结，不要像助手；(3) 如果你想结束对话，就说“再见”或"
+            "“拜拜”。{final}\n"
+            '# 输出格式\n只输出一个json对象：{{"thinking": "<你的感受和原因>", "reply": "<你说的话>"}}'),
         "opening": ("# 任务\n写出你开启这次谈话说的第一句话：一句简短口语，提到发生的事，但不提你想从谈话中"
                     '得到什么。\n# 输出格式\n只输出一个json对象：{{"reply": "<你说的话>"}}'),
     },
@@ -457,12 +382,15 @@ def appraisal_messages(state: UserState, reply: str) -> list[dict]:
 
 
 def reply_messages(state: UserState, final: bool) -> list[dict]:
+    """The user's answer is written, as in SAGE, from its own appraisal of the agent's latest
+    reply (the analysis text, trace[-1]) and its state label, not from the emotion's number."""
     sc, p = state.scenario, PROMPTS[state.scenario.language]
-    fin = p["final"].format(emotion=state.emotion) if final else ""
-    return [{"role": "system", "content": _system(sc, "reply", state.user, emotion=state.emotion, final=fin,
-                                                  level=p["levels"][emotion_level(state.emotion)])},
+    label = emotion_state(state.emotion)
+    analysis = state.trace[-1].get("reasoning", "") if state.trace else ""
+    return [{"role": "system", "content": _system(sc, "reply", state.user, state=label, state_text=p["states"][label],
+                                                  final=p["final"] if final else "")},
             {"role": "user", "content": p["ask_reply"].format(
-                history=_transcript(sc, state.history), emotion=state.emotion)}]
+                history=_transcript(sc, state.history), analysis=analysis, state=label)}]
 
 
 def opening_messages(sc: Scenario, user: str = "standard") -> list[dict]:
@@ -481,37 +409,57 @@ _LABELS_REPLY = r"(?:reply|response|回复|回答|说)"
 
 def json_object(text: str):
     """The JSON object in a model's answer (bare, in a ```json fence, or the first { .. last }
-    inside prose) -> dict, or None when there is none (also used by judge.py)."""
+    inside prose) -> dict, or None when there is none (also used by judge.py). An object with a
+    key twice (two "change" values: which one?) is none."""
     text = (text or "").strip()
     text = re.sub(r"^```(?:json)?\s*|\s*```$", "", text)
-    # RecursionError: a server can send JSON nested deeper than Python's stack allows.
-    try:
-        obj = json.loads(text)
-        return obj if isinstance(obj, dict) else None
-    except (ValueError, RecursionError):  # ValueError: also ints over 4300 digits
-        pass
     m = re.search(r"\{.*\}", text, re.S)  # first { .. last }
-    if m:
+    for candidate in (text, m.group(0) if m else None):
+        if candidate is None:
+            continue
+        # RecursionError: a server can send JSON nested deeper than Python's stack allows;
+        # ValueError: also ints over 4300 digits, and a duplicate key.
         try:
-            obj = json.loads(m.group(0))
-            return obj if isinstance(obj, dict) else None
-        except (ValueError, RecursionError):  # ValueError: also ints over 4300 digits
-            return None
+            obj = json.loads(candidate, object_pairs_hook=_unique_keys)
+        except (ValueError, RecursionError):
+            continue
+        return obj if isinstance(obj, dict) else None
     return None
+
+
+def _unique_keys(pairs):
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        raise ValueError(f"a key twice: {keys}")
+    return dict(pairs)
+
+
+def _change(value) -> int | None:
+    """An emotion change as the model wrote it -> an int, or None (unparseable): a number or a
+    numeric string ("+3", "5.5"), a fraction rounded half away from zero (2.5 -> 3, -2.5 -> -3);
+    NaN, Infinity (json.loads accepts both), booleans and anything else are unparseable."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        if not re.fullmatch(r"\s*[+-]?\s*\d+(\.\d+)?\s*", value):
+            return None
+        value = float(value.replace(" ", ""))
+    if not isinstance(value, float) or not math.isfinite(value):
+        return None
+    return int(math.copysign(math.floor(abs(value) + 0.5), value))
 
 
 def parse_appraisal(text: str) -> tuple[int, str] | None:
     """-> (change, analysis) or None. The change is NOT clamped here (the Simulator does it)."""
     obj = json_object(text)
     if obj is not None and "change" in obj:
-        v = obj["change"]
-        if isinstance(v, bool):
+        change = _change(obj["change"])
+        if change is None:
             return None
-        if isinstance(v, (int, float)):
-            # json.loads accepts NaN and Infinity: no emotion change, so unparseable.
-            return (int(round(v)), str(obj.get("analysis", ""))) if math.isfinite(v) else None
-        if isinstance(v, str) and re.fullmatch(r"\s*[+-]?\s*\d+\s*", v):
-            return int(v.replace(" ", "")), str(obj.get("analysis", ""))
+        return change, str(obj.get("analysis", ""))
+    if "{" in (text or ""):  # JSON that did not parse (e.g. cut off): its prose is no label
         return None
     m = re.search(_LABELS_CHANGE + r"\s*[:：=]\s*" + _INT, text or "", re.I)
     if m:
@@ -519,21 +467,19 @@ def parse_appraisal(text: str) -> tuple[int, str] | None:
     return None
 
 
-def parse_reply(text: str) -> tuple[str, bool] | None:
-    """-> (reply, goodbye) or None."""
+def parse_reply(text: str) -> str | None:
+    """-> the user's line, or None. (Whether it is a goodbye is read from the line itself.)"""
     obj = json_object(text)
     if obj is not None:
         r = obj.get("reply")
         if not isinstance(r, str) or not r.strip():
             return None
-        bye = obj.get("goodbye", False)
-        bye = bye if isinstance(bye, bool) else str(bye).strip().lower() in ("true", "yes", "1")
-        return r.strip(), bye
-    m = re.search(_LABELS_REPLY + r"\s*[:：]\s*(.+?)(?:\n\s*(?:goodbye|再见)\s*[:：]\s*(\S+)|$)",
-                  text or "", re.I | re.S)
+        return r.strip()
+    if "{" in (text or ""):  # JSON that did not parse (e.g. cut off): its prose is no label
+        return None
+    m = re.search(_LABELS_REPLY + r"\s*[:：]\s*(.+)", text or "", re.I | re.S)
     if m and m.group(1).strip():
-        bye = (m.group(2) or "").strip().lower() in ("true", "yes", "1", "是")
-        return m.group(1).strip().strip('"'), bye
+        return m.group(1).strip().strip('"')
     return None
 
 
@@ -548,11 +494,13 @@ def ask_until_parsed(backend, messages, parser, tries: int, budget: float | None
 
     Anything the network sends back is either parsed or counted as a failed try: the backend's
     errors and the parser's (which should not raise, but a server can send anything) are caught
-    alike. `on_retry()` is called before every try after the first. A parsed answer is handed to
-    the backend's `keep` (evaluate.CachedBackend stores parsed answers only, so a bad answer is
-    never replayed into its own retry). With `budget` (seconds for all tries together), no try
-    starts after it is spent, and a backend that takes a deadline (OpenAIBackend) cuts its
-    requests and backoffs to what is left."""
+    alike, and so is an answer that is not valid Unicode text (is_text). Only an EndpointError
+    (a wrong key, model or URL) passes through: no try can work. `on_retry()` is called before
+    every try after the first. A parsed answer is handed to the backend's `keep`
+    (plumbing.backends.CachedBackend stores parsed answers only, so a bad answer is never
+    replayed into its own retry). With `budget` (seconds for all tries together), no try starts
+    after it is spent, and a backend that takes a deadline (OpenAIBackend) cuts its requests
+    and backoffs to what is left."""
     last = None
     deadline = time.monotonic() + budget if budget else None
     takes_deadline = getattr(backend, "takes_deadline", False)
@@ -568,6 +516,10 @@ def ask_until_parsed(backend, messages, parser, tries: int, budget: float | None
             else:
                 text = backend.chat(messages)
             out = parser(text) if isinstance(text, str) else None
+            if out is not None and not is_text((text, out)):
+                raise ValueError("the answer is not valid Unicode text (a lone surrogate?)")
+        except EndpointError:  # a wrong key, model or URL: no try will work
+            raise
         except Exception as e:  # the backend already retried 429/5xx/timeouts
             last = f"{type(e).__name__}: {e}"
             logger.warning("%s backend error (try %d/%d): %.300s", who, attempt + 1, tries, last)
@@ -582,6 +534,23 @@ def ask_until_parsed(backend, messages, parser, tries: int, budget: float | None
     return None, last or "no attempts"
 
 
+def is_text(value) -> bool:
+    """Every string in `value` (and in its tuples, lists and dicts) is valid Unicode text, i.e.
+    encodable as UTF-8. A JSON answer can hold a lone surrogate ("\\ud83d"), which no tokenizer
+    and no file accepts: such an answer is a failed try, never scored or cached."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        value = list(value.keys()) + list(value.values())
+    if isinstance(value, (tuple, list)):
+        return all(is_text(v) for v in value)
+    return True
+
+
 class Simulator:
     """Plays the user side of many dialogues. A dialogue's state lives in its UserState, so one
     Simulator can serve any number of them; the Simulator itself holds only its settings and
@@ -589,10 +558,12 @@ class Simulator:
 
     def __init__(self, backend, initial_emotion: int | None = None, max_turns: int | None = None,
                  max_change: int | None = None, parse_retries: int = 3, concurrency: int = 64,
-                 user: str = "standard", call_budget: float | None = None):
+                 user: str = "standard", call_budget: float | None = None, rules: str = "sage"):
         if user not in USERS:
             raise ValueError(f"unknown simulated user {user!r} ({' | '.join(USERS)})")
-        self.backend, self.user = backend, user
+        if rules not in RULES:
+            raise ValueError(f"unknown rules {rules!r} ({' | '.join(RULES)})")
+        self.backend, self.user, self.rules = backend, user, rules
         # None: the user's own (challenging: 30), else each scenario's own (30 by default)
         self.initial_emotion = initial_emotion if initial_emotion is not None else USERS[user]["initial_emotion"]
         self.max_turns = max_turns              # None: use each scenario's own (10 by default)
@@ -605,6 +576,7 @@ class Simulator:
         self.call_budget = call_budget
         self.counts = {"parse_retries": 0, "transport_retries": 0}  # see take_counts()
         self._lock = threading.Lock()
+        self._in_flight = threading.BoundedSemaphore(concurrency)
 
     def take_counts(self) -> dict:
         """Retries since the last call (parse retries here; transport retries from the backend),
@@ -617,8 +589,9 @@ class Simulator:
 
     # ---- LLM calls with retry on unparseable output (transport retries live in the backend)
     def _ask(self, messages, parser):
-        out, why = ask_until_parsed(self.backend, messages, parser, self.parse_retries, self.call_budget,
-                                    self._count_parse_retry, log, "simulator")
+        with self._in_flight:  # at most `concurrency` calls at once, however many dialogues ask
+            out, why = ask_until_parsed(self.backend, messages, parser, self.parse_retries, self.call_budget,
+                                        self._count_parse_retry, log, "simulator")
         if out is None:
             raise SimulatorError(why)
         return out
@@ -640,7 +613,7 @@ class Simulator:
     def _opening(self, sc):
         if hasattr(self.backend, "opening"):
             return self.backend.opening(sc)
-        return self._ask(opening_messages(sc, self.user), parse_reply)[0]
+        return self._ask(opening_messages(sc, self.user), parse_reply)
 
     # ---- public API
     def reset(self, scenario: Scenario) -> UserState:
@@ -666,25 +639,32 @@ class Simulator:
         try:
             raw, reasoning = self._appraise(st, agent_reply)
             change = clamp(int(raw), -self.max_change, self.max_change)
-            before, st.emotion = st.emotion, clamp(st.emotion + change, 0, 100)
+            before = st.emotion
             st.turn += 1
-            if st.emotion >= 100:
-                st.outcome = "success"
-            elif st.emotion < 10:
-                st.outcome = "failure"
+            if self.rules == "sage":
+                st.emotion = clamp(st.emotion + change, 0, 100)
+                if st.emotion >= 100:
+                    st.outcome = "success"
+                elif st.emotion < 10:
+                    st.outcome = "failure"
+            else:  # rlver: capped at 100, no floor, no end at 100
+                st.emotion = min(st.emotion + change, 100)
+                if st.emotion <= 0:
+                    st.outcome = "failure"
             st.trace.append({"turn": st.turn, "emotion_before": before, "emotion_after": st.emotion,
                              "change": change, "raw_change": int(raw), "reasoning": reasoning,
                              "agent": agent_reply, "user": ""})
-            # The user answers every turn except the last one of a dialogue that runs out of
-            # turns (max_turns): nobody would read that line, so its call is saved. A success or
-            # failure, even on the last turn, still costs a reply call: the user's closing line
-            # (final=True), kept in the history for transcripts (the policy never sees it).
-            # Calls per dialogue of T turns: 2T - 1 at max_turns, 2T at success, failure or
-            # goodbye; plus one for an opening line the scenario lacks, plus retries.
+            # The user answers every appraised reply except the last one of a dialogue that runs
+            # out of turns (max_turns): nobody would read that line, so its call is saved. A
+            # success or failure, even on the last turn, still costs a reply call: the user's
+            # closing line (final=True), kept in the history for transcripts (the policy never
+            # sees it). Calls per dialogue of T turns: 2T - 1 at max_turns, 2T at success,
+            # failure or goodbye; plus one for an opening line the scenario lacks, plus retries.
             bye = False
             ended = st.outcome is not None  # success or failure
             if ended or st.turn < max_turns:
-                user_text, bye = self._respond(st, final=ended)
+                user_text = self._respond(st, final=ended)
+                bye = said_goodbye(user_text)
                 st.history.append({"role": "user", "content": user_text})
                 st.trace[-1]["user"] = user_text
         except SimulatorError as e:
@@ -707,154 +687,19 @@ class Simulator:
     def _map(self, fn, args):
         if len(args) <= 1 or not getattr(self.backend, "parallel", False):
             return [fn(*a) for a in args]
-        with concurrent.futures.ThreadPoolExecutor(min(self.concurrency, len(args))) as ex:
+        ex = concurrent.futures.ThreadPoolExecutor(min(self.concurrency, len(args)))
+        try:
             return list(ex.map(lambda a: fn(*a), args))
+        finally:  # on Ctrl-C (or an EndpointError) do not wait for the calls still in flight
+            ex.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def _error(st, why):
         log.warning("dialogue %s ended with simulator_error: %s", st.scenario.id, why)
-        st.done, st.outcome = True, "simulator_error"
+        st.done = True
+        st.outcome = "simulator_error"
         st.trace.append({"turn": st.turn, "error": why})
         return st
-
-
-# --------------------------------------------------------------------------------------------
-# Backends. The LLM ones share one method: chat(messages) -> str.
-# --------------------------------------------------------------------------------------------
-class OpenAIBackend:
-    """Any OpenAI-compatible chat-completions server (DeepSeek-V3, `vllm serve`, ...).
-
-    Transport faults (429, 408/409, 5xx, timeouts, connection errors) are retried here with
-    exponential backoff (or the server's retry-after), at most `max_retries` times. The
-    official client can retry by itself, but its per-request timeout applies afresh to each of
-    its retries, so a dead server could hold one call for (1 + max_retries) x timeout plus
-    backoff, and its retries are invisible to us. Retrying in this small loop (the client set
-    to max_retries=0) lets each request's timeout and each backoff be cut to the caller's
-    deadline, and lets us count the retries (`take_retries`). The API key is read from an
-    environment variable and never printed."""
-
-    parallel = True
-    takes_deadline = True  # chat(messages, deadline=...): see Simulator.call_budget
-
-    def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
-                 temperature: float = 0.7, timeout: float = 60.0, max_retries: int = 4,
-                 json_mode: bool = True, max_tokens: int = 512):
-        import openai  # imported here so the rule backend works without the package
-        self._openai = openai
-        self.base_url, self.model, self.temperature = base_url, model, temperature
-        self.json_mode, self.max_tokens = json_mode, max_tokens
-        self.timeout, self.max_retries = timeout, max_retries
-        self.retries, self._lock = 0, threading.Lock()
-        # Local servers (vllm) accept any key; hosted ones fail with a clear 401.
-        self.client = openai.OpenAI(base_url=base_url, api_key=os.environ.get(api_key_env) or "EMPTY",
-                                    timeout=timeout, max_retries=0)
-
-    def __repr__(self):  # never show the key
-        return f"OpenAIBackend(base_url={self.base_url!r}, model={self.model!r})"
-
-    def take_retries(self) -> int:
-        """Transport retries since the last call (then reset to 0)."""
-        with self._lock:
-            n, self.retries = self.retries, 0
-        return n
-
-    def _retry_wait(self, err, k: int) -> float | None:
-        """Seconds to wait before retry k (0-based) after `err`, or None if `err` is final."""
-        if isinstance(err, self._openai.APIConnectionError):  # includes timeouts
-            hint = None
-        elif isinstance(err, self._openai.APIStatusError) and (err.status_code in (408, 409, 429)
-                                                                 or err.status_code >= 500):
-            h = err.response.headers
-            hint = None
-            try:  # the server's own hint, as the official client reads it
-                if "retry-after-ms" in h:
-                    hint = float(h["retry-after-ms"]) / 1000
-                elif "retry-after" in h:
-                    hint = float(h["retry-after"])
-            except ValueError:
-                hint = None
-        else:
-            return None
-        if hint is not None and 0 <= hint <= 60:
-            return hint
-        return min(0.5 * 2 ** k, 8.0) * (1 - 0.25 * random.random())
-
-    def chat(self, messages: list[dict], deadline: float | None = None) -> str:
-        """One answer's text. `deadline` (time.monotonic()): no request or backoff runs past it."""
-        kw = dict(model=self.model, messages=messages, temperature=self.temperature,
-                  max_tokens=self.max_tokens)
-        if self.json_mode:
-            kw["response_format"] = {"type": "json_object"}
-        for k in range(self.max_retries + 1):
-            left = self.timeout if deadline is None else min(self.timeout, deadline - time.monotonic())
-            if left <= 0:
-                raise TimeoutError("call budget spent")
-            try:
-                # client.post is the client's documented raw-request path, without the typed
-                # request/response layers, which cost about half of the client's CPU time per
-                # call (it adds up at 64 calls).
-                r = self.client.post("/chat/completions", body=kw, cast_to=object,
-                                     options={"timeout": left})
-                break
-            except self._openai.BadRequestError:
-                if not self.json_mode:
-                    raise
-                log.warning("server rejected JSON mode; continuing without it")
-                self.json_mode = False
-                return self.chat(messages, deadline)
-            except self._openai.APIError as e:
-                wait = self._retry_wait(e, k)
-                if wait is None or k == self.max_retries:
-                    raise
-                if deadline is not None and time.monotonic() + wait >= deadline:
-                    raise  # no time left for another request
-                with self._lock:
-                    self.retries += 1
-                time.sleep(wait)
-        try:
-            content = r["choices"][0]["message"]["content"]
-        except (TypeError, KeyError, IndexError):
-            raise ValueError(f"malformed chat-completions response: {str(r)[:200]}") from None
-        if content is not None and not isinstance(content, str):  # a list, a number, ...
-            raise ValueError(f"chat-completions content is a {type(content).__name__}, not text")
-        # DeepSeek's JSON mode can return blank content: that is a parse failure -> retried.
-        return content or ""
-
-    def check(self, timeout: float = 10.0) -> None:
-        """Fail fast (one line) if the endpoint is unreachable: used by train.py before work."""
-        try:
-            self.client.with_options(timeout=timeout, max_retries=0).models.list()
-        except self._openai.APIConnectionError as e:
-            raise ConnectionError(f"simulator endpoint {self.base_url} is unreachable: {e}") from None
-        except self._openai.APIStatusError:
-            pass  # reachable; some servers do not implement /models
-
-
-class HFBackend:
-    """A local transformers chat model as the simulated user (one call at a time)."""
-
-    parallel = False
-
-    def __init__(self, model_path: str, temperature: float = 0.7, max_new_tokens: int = 384,
-                 device: str | None = None):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        self.torch = torch
-        self.tok = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto")
-        self.model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
-        self.temperature, self.max_new_tokens = temperature, max_new_tokens
-        self.lock = threading.Lock()
-
-    def chat(self, messages: list[dict]) -> str:
-        with self.lock, self.torch.no_grad():
-            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True,
-                                               return_tensors="pt", return_dict=True)
-            ids = {k: v.to(self.model.device) for k, v in ids.items()}
-            out = self.model.generate(**ids, max_new_tokens=self.max_new_tokens,
-                                      do_sample=self.temperature > 0,
-                                      temperature=self.temperature or None)
-            return self.tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 # ---- RuleBackend: interpretable features -> emotion change. No LLM, deterministic given seed.
@@ -870,7 +715,7 @@ def word_list(text: str) -> list[str]:
 def content_words(text: str) -> set[str]:
     """The words of `text` that carry content: English words of 4+ letters and Chinese
     characters. A reply "reflects" the user when it reuses them (RuleBackend, judge.py)."""
-    return {w for w in word_list(text) if len(w) >= 4 or ord(w[0]) > 0x4e00}
+    return {w for w in word_list(text) if len(w) >= 4 or not w.isascii()}  # not ASCII: a CJK character
 
 
 _FEATURE_WORDS = {
@@ -927,18 +772,6 @@ _BYE = {"en": {True: "Thank you, really. I think I'm okay now. Bye!", False: "I'
         "zh": {True: "真的谢谢你，我觉得好多了，再见！", False: "我走了，再见。"}}
 
 
-def rule_user_phrases(language: str = "en") -> list[str]:
-    """Every phrase the rule user reacts to (feature and goal words) or says (replies, goal
-    hints, goodbyes, its opening): rollout.make_tiny_word_tokenizer (make_tiny_policy with
-    words=True) puts them all in the CPU demo's vocabulary, so what the rule user rewards is
-    something the tiny model can say."""
-    out = [k for d in (_FEATURE_WORDS, _GOAL_WORDS) for ks in d.values() for k in ks]
-    out += [r for rs in _REPLIES[language].values() for r in rs] + list(_GOAL_HINTS[language].values())
-    out += list(_BYE[language].values()) + [_OPENING[language]]
-    # The keyword lists hold both languages: keep the phrases written in this one.
-    return [p for p in out if p and p.isascii() == (language == "en")]
-
-
 def _readable_char(c: str) -> bool:
     """An ASCII letter, space or common punctuation mark, or a CJK character."""
     if c.isascii():
@@ -955,21 +788,26 @@ class RuleBackend:
 
     parallel = False
     WEIGHTS = {"readable": 3.0, "length_ok": 1.0, "acknowledge": 2.0, "reflect": 1.5,
-               "open_question": 1.5, "goal": 3.0, "repetition": -4.0, "dismissive": -6.0}
+               "open_question": 1.5, "goal": 3.0, "repetition": -4.0, "echo": -3.0, "dismissive": -6.0}
     BASELINE = -3.0  # the user is in a bad place: an empty or useless reply makes things worse
     # The challenging user (USERS): only goal-directed replies help (goal weighs most), generic
     # acknowledgement and questions are worth little, gibberish ("garbled" = 1 - readable),
     # repetition and dismissal cost much more, and the baseline is lower. The best possible reply
     # gains less than with the standard user, the worst loses more (and is not clamped).
     WEIGHTS_CHALLENGING = {"readable": 2.0, "length_ok": 0.5, "acknowledge": 0.5, "reflect": 1.0,
-                           "open_question": 0.5, "goal": 5.0, "repetition": -8.0, "dismissive": -10.0,
-                           "garbled": -6.0}
+                           "open_question": 0.5, "goal": 5.0, "repetition": -8.0, "echo": -5.0,
+                           "dismissive": -10.0, "garbled": -6.0}
     BASELINE_CHALLENGING = -4.0
 
     def __init__(self, seed: int = 0):
         self.seed = seed
 
-    def features(self, reply: str, last_user: str, goal_type: str) -> dict[str, float]:
+    def features(self, reply: str, last_user: str, goal_type: str, earlier: str = "") -> dict[str, float]:
+        """Each feature of `reply` in [0, 1]; `earlier`: the agent's earlier replies in this
+        dialogue. Two ways of saying the same again: `repetition` is the share of this reply's
+        content words repeated *within* it; `echo` the share it repeats from the agent's earlier
+        replies (a stock line said again, which the LLM user's prompt also counts as repetitive:
+        a SmolLM2 run trained without it learned to open every turn with one validation)."""
         low = reply.lower()
         words = word_list(reply)
         n = len(reply) or 1
@@ -988,6 +826,8 @@ class RuleBackend:
         repetition = 0.0
         if len(content) >= 4:
             repetition = 1 - len(set(content)) / len(content)  # share of repeated content words
+        said_before = {w for w in word_list(earlier) if len(w) >= 5}
+        echo = len(set(content) & said_before) / len(set(content)) if content else 0.0
         return {
             "readable": ok_chars / n,
             "length_ok": length_ok,
@@ -996,13 +836,15 @@ class RuleBackend:
             "open_question": open_question,
             "goal": min(1.0, sum(k in low for k in _GOAL_WORDS.get(goal_type, [])) / 2),
             "repetition": repetition,
+            "echo": echo,
             "dismissive": float(any(k in low for k in _FEATURE_WORDS["dismissive"])),
         }
 
     def appraise(self, state: UserState, reply: str) -> tuple[int, str]:
         sc = state.scenario
         last_user = next((m["content"] for m in reversed(state.history[:-1]) if m["role"] == "user"), "")
-        f = self.features(reply, last_user, sc.goal_type)
+        earlier = " ".join(m["content"] for m in state.history[:-1] if m["role"] == "assistant")
+        f = self.features(reply, last_user, sc.goal_type, earlier)
         hard = state.user == "challenging"
         w = dict(self.WEIGHTS_CHALLENGING if hard else self.WEIGHTS)
         baseline = self.BASELINE_CHALLENGING if hard else self.BASELINE
@@ -1041,18 +883,20 @@ class RuleBackend:
             change += 1
         return change, f"{why}; rounded at random to {change:+d}"
 
-    def respond(self, state: UserState, final: bool) -> tuple[str, bool]:
+    def respond(self, state: UserState, final: bool) -> str:
         sc, lang = state.scenario, state.scenario.language
         if final:
-            return _BYE[lang][state.emotion >= 100], True
+            return _BYE[lang][state.emotion >= 100]
         level = emotion_level(state.emotion)
         rng = self._rng(sc.id, state.turn, "respond")
         text = rng.choice(_REPLIES[lang][level])
         if level in (2, 3, 4) and rng.random() < 0.5 and state.user != "challenging":  # it never hints
             text += " " + _GOAL_HINTS[lang].get(sc.goal_type, "")
-        # Very low and still sinking fast: the user walks away. (trace[-1] is this turn.)
-        bye = level == 1 and bool(state.trace) and state.trace[-1]["change"] <= -5
-        return text.strip(), bye
+        # Very low and still sinking fast: the user walks away, with a goodbye (what ends a
+        # dialogue is the word, as in SAGE). (trace[-1] is this turn.)
+        if level == 1 and state.trace and state.trace[-1]["change"] <= -5:
+            return _BYE[lang][False]
+        return text.strip()
 
     def opening(self, sc: Scenario) -> str:
         first = re.split(r"(?<=[.!?。！？])\s*", sc.background.strip())[0]
@@ -1062,88 +906,3 @@ class RuleBackend:
     def _rng(self, *key) -> random.Random:
         h = hashlib.sha256(repr((self.seed, *key)).encode()).digest()
         return random.Random(int.from_bytes(h[:8], "little"))
-
-
-def make_backend(kind: str, base_url: str | None = None, model: str | None = None,
-                 api_key_env: str = "OPENAI_API_KEY", temperature: float = 0.7,
-                 timeout: float = 60.0, max_retries: int = 4, seed: int = 0):
-    """Flag values -> backend. Raises ValueError (one line) on missing settings."""
-    if kind == "rule":
-        return RuleBackend(seed=seed)
-    if kind == "openai":
-        if not base_url or not model:
-            raise ValueError("--simulator openai needs --simulator-base-url and --simulator-model")
-        return OpenAIBackend(base_url, model, api_key_env, temperature, timeout, max_retries)
-    if kind == "hf":
-        if not model:
-            raise ValueError("--simulator hf needs --simulator-model (a local path or hub id)")
-        return HFBackend(model, temperature)
-    raise ValueError(f"unknown simulator backend {kind!r} (rule | openai | hf)")
-
-
-# --------------------------------------------------------------------------------------------
-# Demo: a scripted agent (from careless to caring) against the chosen backend.
-# --------------------------------------------------------------------------------------------
-DEMO_REPLIES = [
-    "ok",
-    "You should just get over it, honestly.",
-    "That sounds really hard. What happened after that?",
-    "It makes sense that you feel hurt. You did your best, and that took courage. How are you holding up?",
-    "I hear you. It's not your fault, and I'm here. What would help most right now?",
-    "You handled a tough situation well, and I'm proud of how you kept going. Tell me more?",
-]
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description="Play a scripted dialogue against the simulated user.")
-    ap.add_argument("--demo", action="store_true", help="run the scripted demo dialogue")
-    ap.add_argument("--scenarios", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                        "data", "scenarios_test.jsonl"))
-    ap.add_argument("--index", type=int, default=0, help="which scenario of the file")
-    ap.add_argument("--simulator", default="rule", choices=["rule", "openai", "hf"])
-    ap.add_argument("--simulator-base-url")
-    ap.add_argument("--simulator-model")
-    ap.add_argument("--user", default="standard", choices=list(USERS),
-                    help="standard (SAGE) or challenging (never reveals its goal, starts at 30, unclamped)")
-    ap.add_argument("--initial-emotion", type=int, default=None,
-                    help="default: 40 (SAGE) for the standard user, 30 for the challenging one")
-    args = ap.parse_args(argv)
-    if not args.demo:
-        ap.print_help()
-        return 0
-    logging.basicConfig(level=logging.WARNING)
-    try:
-        scenarios = load_scenarios(args.scenarios)
-        backend = make_backend(args.simulator, args.simulator_base_url, args.simulator_model)
-    except (ScenarioError, ValueError) as e:
-        ap.error(str(e))
-    sc = scenarios[args.index % len(scenarios)]
-    initial = args.initial_emotion
-    if initial is None:
-        initial = eval_initial_emotion(args.user)
-    sim = Simulator(backend, initial_emotion=initial, max_turns=len(DEMO_REPLIES), user=args.user)
-    st = sim.reset(sc)
-    print(f"scenario {sc.id} ({sc.personality_type}, goal: {sc.goal_type or sc.hidden_goal}), {args.user} user")
-    print(f"user   : {st.history[-1]['content'] if st.history else ''}   [emotion {st.emotion}]")
-    for reply in DEMO_REPLIES:
-        if st.done:
-            break
-        st = sim.step(st, reply)
-        t = st.trace[-1]
-        print(f"agent  : {reply}")
-        if "error" in t:
-            print(f"  !! simulator error: {t['error']}")
-            break
-        clamped = ""
-        if t["raw_change"] != t["change"]:  # the standard user's change is clamped to [-10, 10]
-            clamped = f", clamped from {t['raw_change']:+d}"
-        print(f"  emotion {t['emotion_before']:3d} -> {t['emotion_after']:3d} ({t['change']:+d}{clamped})  "
-              f"because: {t['reasoning']}")
-        if t["user"]:
-            print(f"user   : {t['user']}")
-    print(f"outcome: {st.outcome}, final emotion {st.emotion}, turns {st.turn}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

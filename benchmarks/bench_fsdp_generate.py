@@ -12,6 +12,10 @@ operation on either path: FSDP's all-gathers, DTensor's, synced_gpus' all-reduce
 the main process: seconds per rollout, the ratio sharded / copy, and collectives per rollout.
 On one CPU the collectives are cheap (loopback); on a GPU node each of FSDP's per-step
 all-gathers moves a whole layer over the interconnect, so the ratio here is a lower bound.
+
+Exit status non-zero when a mode failed on either process (raised, produced no agent token, or
+a dialogue ended in simulator_error); nothing is printed for it then. --json PATH (written by
+the main process) holds both modes' figures and counts.
 """
 import argparse
 import os
@@ -23,6 +27,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import report  # noqa: E402
 
 
 def count_collectives(fn):
@@ -37,9 +43,12 @@ def count_collectives(fn):
 def worker(args):
     import torch
     from accelerate import Accelerator
-    from rollout import GenConfig, make_tiny_policy
-    from simulator import RuleBackend, Simulator, load_scenarios
-    from train import Config, make_generation_copy, run_rollout
+    from accelerate.utils import gather_object
+    from plumbing.distributed import make_generation_copy, run_rollout
+    from plumbing.models import make_tiny_policy
+    from plumbing.scenarios import load_scenarios
+    from rollout import RolloutConfig
+    from simulator import RuleBackend, Simulator
 
     acc = Accelerator()
     policy, tok = make_tiny_policy(seed=0, hidden_size=args.hidden, num_layers=args.layers)
@@ -49,22 +58,24 @@ def worker(args):
     mine = scen[acc.process_index * args.scenarios:(acc.process_index + 1) * args.scenarios]
     # Low start, so dialogues end at different turns on the two processes (as in training).
     sim = Simulator(RuleBackend(seed=0), initial_emotion=args.initial_emotion, max_turns=args.turns)
-    gc = GenConfig(max_new_tokens=args.new_tokens, temperature=1.0)
+    gc = RolloutConfig(max_new_tokens=args.new_tokens, temperature=1.0)
     copy = make_generation_copy(acc.unwrap_model(policy), acc.device, torch.float32)
-    cfg = Config(group_size=args.group, think=False)
 
     def sharded():  # train.py with --no-gather-for-generation
-        return run_rollout(acc, policy, None, tok, sim, mine, cfg, gc)
+        return run_rollout(acc, policy, None, tok, sim, mine, args.group, False, gc)
 
     def gathered():  # train.py's default under FSDP: refresh the copy, then generate from it
-        return run_rollout(acc, policy, copy, tok, sim, mine, cfg, gc)
+        return run_rollout(acc, policy, copy, tok, sim, mine, args.group, False, gc)
 
     modes = (("sharded", sharded), ("copy", gathered))
-    colls, toks = {}, {}
+    colls, toks, failed = {}, {}, {}
     for name, fn in modes:  # one profiled rollout each: collectives (the profiler slows ops down)
         torch.manual_seed(1000)
         batch, colls[name] = count_collectives(fn)
         toks[name] = int(batch.loss_mask.sum())
+        errors = sum(m["outcome"] == "simulator_error" for m in batch.metrics)
+        if errors or not toks[name]:
+            failed[name] = f"process {acc.process_index}: {errors} simulator errors, {toks[name]} agent tokens"
     times = {"sharded": [], "copy": []}
     for r in range(args.rounds):  # timed rollouts, unprofiled, interleaved
         for name, fn in modes:
@@ -74,13 +85,20 @@ def worker(args):
             fn()
             acc.wait_for_everyone()
             times[name].append(time.perf_counter() - t0)
-    if acc.is_main_process:
+    failed = {k: v for f in gather_object([failed]) for k, v in f.items()}  # every process's, on every process
+    results = {}
+    if acc.is_main_process and not failed:
         ts, tc = statistics.median(times["sharded"]), statistics.median(times["copy"])
         print(f"model: hidden {args.hidden}, layers {args.layers}; per process {args.scenarios} scenarios x "
               f"{args.group}, {args.turns} turns, {args.new_tokens} new tokens; median of {args.rounds} rounds")
         print(f"sharded generate : {ts:7.2f} s/rollout  collectives {colls['sharded']:6d}  agent tokens {toks['sharded']}")
         print(f"gathered copy    : {tc:7.2f} s/rollout  collectives {colls['copy']:6d}  agent tokens {toks['copy']}")
         print(f"ratio sharded / copy: {ts / tc:.2f}x time, {colls['sharded'] / max(colls['copy'], 1):.0f}x collectives")
+        results = {name: {"s_per_rollout": statistics.median(times[name]), "times_s": times[name],
+                          "collectives": colls[name], "agent_tokens": toks[name]} for name, _ in modes}
+    if acc.is_main_process:
+        report.finish(args.json, results, failed, cmd=report.command([a for a in sys.argv[1:] if a != "--worker"]))
+    return 1 if failed else 0
 
 
 def main():
@@ -93,13 +111,20 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--initial-emotion", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None, metavar="PATH", help="write both modes' figures here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args)
+        raise SystemExit(worker(args))
+    print("command: " + report.command())
+    if args.json and os.path.exists(args.json):
+        os.remove(args.json)  # a launch that dies leaves no earlier run's results looking like its own
     cmd = [sys.executable, os.path.join(ROOT, "tests", "cpu_launch.py"), "--nproc", "2", "--mode", "fsdp2", "--",
            os.path.abspath(__file__), "--worker", *sys.argv[1:]]
-    raise SystemExit(subprocess.call(cmd))
+    rc = subprocess.call(cmd)
+    if rc:
+        print(f"FAILED: the launch exited with status {rc}")
+    raise SystemExit(rc)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,12 @@ process); a run's step time is the mean over --steps steps after one warm-up ste
 table shows the median of --rounds interleaved runs.
 
 TRL is installed by the benchmark's user, never by the project:  pip install trl==1.16.0
-(without it the TRL column is skipped). On a GPU the script also reports generation and
-training tokens/s and the model FLOPs utilisation (MFU) of the update.
+(without it the TRL column is skipped, which is not a failure). On a GPU the script also reports
+generation and training tokens/s and the model FLOPs utilisation (MFU) of the update.
+
+Exit status 1 when a configuration asked for (--only) failed in any round (its process exited
+non-zero or printed no result); it then has no row. --json PATH writes every configuration's
+figures (the median run's) and counts.
 """
 import argparse
 import json
@@ -27,6 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT]
 
+import report  # noqa: E402
+
 PROMPT = "<|im_start|>assistant\n"
 GOOD = "abcdefghijklmnopqrstuvwxyz "
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, per GPU
@@ -38,7 +44,7 @@ def qwen_config_policy(size: str, untie: bool = False):
     embedding; 7B (the paper's policy) does not: `untie` gives the untied variant."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    from rollout import make_tiny_policy, make_tiny_tokenizer
+    from plumbing.models import make_tiny_policy, make_tiny_tokenizer
     if size == "tiny":
         return make_tiny_policy(seed=0)
     shapes = {"0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -88,7 +94,7 @@ def logprob_worker(args, model):
     if args.worker == "lp-old":
         from tests.test_logprobs import reference_token_logprobs as fn
     else:
-        from rollout import token_logprobs as fn
+        from logprobs import token_logprobs as fn
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (1, args.lp_tokens), generator=g).to(args.device)
     am = torch.ones_like(ids)
@@ -127,17 +133,20 @@ def worker(args):
     if args.worker in ("ours-grpo", "ours-ppo"):
         from grpo import GRPOConfig, grpo_update
         from ppo import PPOConfig, ValueModel, ppo_update
-        from rollout import GenConfig, add_logprobs, collate, generate_turn
+        from logprobs import add_logprobs
+        from rollout import RolloutConfig, collate, generate_turn
+        from update import needs_old_logprobs
         good = set(tok.encode(GOOD))
         prompt = tok.encode(PROMPT)
-        gen = GenConfig(max_new_tokens=args.length, temperature=1.0)
+        gen = RolloutConfig(max_new_tokens=args.length, temperature=1.0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)  # as train.py
         if args.worker == "ours-ppo":
             critic = ValueModel.from_config(model.config).to(args.device, dtype=model.dtype)
             copt = torch.optim.AdamW(critic.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
             cfg = PPOConfig(minibatch_size=B, micro_batch_size=args.micro, entropy_coef=0.0)
         else:
-            cfg = GRPOConfig(minibatch_size=B, micro_batch_size=args.micro)
+            # a minibatch counts scenarios: all args.prompts of them (x group samples) in one step
+            cfg = GRPOConfig(minibatch_size=args.prompts, group_size=args.group, micro_batch_size=args.micro)
 
         def step():
             sync(); t0 = time.perf_counter()
@@ -146,7 +155,7 @@ def worker(args):
             rows = [(prompt + o, [0] * len(prompt) + [1] * len(o), sum(t in good for t in o) / args.length, n // args.group, n)
                     for n, o in enumerate(outs)]
             batch = collate(rows, tok.pad_token_id)
-            if cfg.epochs > 1 or len(batch) > cfg.minibatch_size:  # else the update is on-policy
+            if needs_old_logprobs(batch, cfg):  # else the update is one optimizer step
                 batch = add_logprobs(batch, model, micro_batch=args.micro)
             if args.worker == "ours-ppo":
                 ppo_update(model, critic, (opt, copt), batch, cfg)
@@ -228,32 +237,37 @@ def main():
                     help="shorter sequence for their forward+backward (the activations of a 0.5B model at 4k "
                          "tokens need ~11 GB of RAM on a CPU); default --lp-tokens")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each, interleaved; medians are reported")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write every configuration's figures here")
     args = ap.parse_args()
     if args.untie and args.model_size == "tiny":
         ap.error("--untie needs --model-size 0.5b or 1.5b (the tiny model is always tied)")
     if args.worker:
         return worker(args)
-    print("command: python benchmarks/bench_train.py " + " ".join(sys.argv[1:]))
+    print("command: " + report.command())
     print(f"{args.model_size} model on {args.device}; batch {args.prompts} prompts x {args.group} samples, "
           f"<= {args.length} new tokens; mean of {args.steps} steps after 1 warm-up; median of {args.rounds} runs")
-    runs = {}
+    runs, failed, skipped = {}, {}, {}
     for rnd in range(args.rounds):  # interleaved, so a slow spell of the machine hits all alike
         for w in args.only:
-            if w.startswith("lp-") and rnd:
-                continue  # memory is deterministic: one run of each is enough
+            if (w.startswith("lp-") and rnd) or w in failed or w in skipped:
+                continue  # lp-: memory is deterministic, one run of each is enough
             if w.startswith("trl"):
                 try:
                     import trl  # noqa: F401
                 except ImportError:
-                    print(f"{w}: skipped (pip install trl==1.16.0 to compare)")
+                    skipped[w] = "trl is not installed (pip install trl==1.16.0 to compare)"
+                    print(f"{w}: skipped, {skipped[w]}")
                     continue
             p = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", w], capture_output=True, text=True)
             line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
-            if line is None:
+            if p.returncode or line is None:  # a failed round fails the configuration: no median of the rest
+                failed[w] = f"round {rnd + 1}: exit status {p.returncode}" + ("" if line else ", no result")
                 print(f"{w}: failed\n{p.stderr[-3000:]}")
+                runs.pop(w, None)
                 continue
             runs.setdefault(w, []).append(json.loads(line[7:]))
-    results = {w: sorted(rs, key=lambda r: r.get("step_s", 0))[len(rs) // 2] for w, rs in runs.items()}  # median run
+    results = {w: {**sorted(rs, key=lambda r: r.get("step_s", 0))[len(rs) // 2], "runs": len(rs)}  # median run
+               for w, rs in runs.items()}
     print(f"{'run':<10} {'step s':>8} {'peak MB':>9} {'gen s':>7} {'update s':>9}  extra")
     for w, r in results.items():
         if w.startswith("lp-"):
@@ -274,6 +288,7 @@ def main():
               f"{o['grad_peak_mb']:.0f} -> {n['grad_peak_mb']:.0f} ({o['grad_s']:.2f} -> {n['grad_s']:.2f} s)")
         print(f"token_logprobs peak memory, before / after: no grad {o['nograd_peak_mb'] / max(n['nograd_peak_mb'], 1e-9):.1f}x, "
               f"forward+backward {o['grad_peak_mb'] / max(n['grad_peak_mb'], 1e-9):.1f}x")
+    raise SystemExit(report.finish(args.json, results, failed, skipped))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ import torch
 
 from grpo import GRPOConfig, grpo_update
 from ppo import PPOConfig, ValueModel, ppo_update
-from rollout import GenConfig, add_logprobs, collate, generate_turn, make_tiny_policy
+from logprobs import add_logprobs
+from plumbing.models import make_tiny_policy
+from rollout import RolloutConfig as GenConfig
+from rollout import collate, generate_turn
 
 GOOD = "abcdefghijklmnopqrstuvwxyz "
 

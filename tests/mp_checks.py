@@ -28,8 +28,12 @@ from accelerate import Accelerator  # noqa: E402
 
 from grpo import GRPOConfig, grpo_update  # noqa: E402
 from ppo import PPOConfig, ValueModel, ppo_update  # noqa: E402
-from rollout import GenConfig, collate, end_of_turn_id, generate_turn, make_tiny_policy  # noqa: E402
-import train  # noqa: E402
+import plumbing.distributed as train  # noqa: E402
+from plumbing.checkpoints import save_final  # noqa: E402
+from plumbing.distributed import pad_rows  # noqa: E402
+from plumbing.models import make_tiny_policy  # noqa: E402
+from rollout import RolloutConfig as GenConfig  # noqa: E402
+from rollout import collate, end_of_turn_id, generate_turn  # noqa: E402
 
 
 class Capture(torch.optim.SGD):
@@ -83,10 +87,10 @@ def update(algo, agg, batch, policy, critic, accelerator):
         if critic is not None:
             critic, copt = accelerator.prepare(critic, copt)
         opt, copt = opt.optimizer, (copt.optimizer if copt is not None else None)
-    common = dict(minibatch_size=max(len(batch), 1), micro_batch_size=2, max_grad_norm=1e9)
+    common = dict(minibatch_size=6, micro_batch_size=2, max_grad_norm=1e9)  # all 6 rows of the step: one minibatch
     gen = torch.Generator().manual_seed(1)
     if algo == "grpo":
-        grpo_update(policy, opt, batch, GRPOConfig(agg=agg, **common), accelerator, gen)
+        grpo_update(policy, opt, batch, GRPOConfig(loss_agg=agg, **common), accelerator, gen)
     else:
         ppo_update(policy, critic, (opt, copt), batch, PPOConfig(entropy_coef=0.01, **common), accelerator, gen)
     return opt.grads[0], (copt.grads[0] if copt is not None else None), (policy, accelerator)
@@ -107,7 +111,7 @@ def main(out_path):
     for algo, agg in [("grpo", "token-mean"), ("grpo", "seq-mean-token-mean"), ("ppo", "token-mean")]:
         for split, parts in splits.items():
             mine = full.select(parts[rank]) if parts[rank] else collate([], tok.pad_token_id)
-            mine = mine.pad_to(max(len(p) for p in parts), tok.pad_token_id)  # as train.py does
+            mine = pad_rows(mine, max(len(p) for p in parts), tok.pad_token_id)  # as train.py does
             p, _, c = fresh(algo)
             g, cg, (policy, acc) = update(algo, agg, mine, p, c, accelerator)
             if rank == 0:
@@ -130,7 +134,7 @@ def main(out_path):
     state = accelerator.get_state_dict(policy)  # a different gather path (full state dict)
     save_dir = tempfile.mkdtemp() if rank == 0 else None
     save_dir = accelerator.gather_for_metrics([save_dir], use_gather_object=True)[0]
-    train.save_final(accelerator, policy, tok, save_dir)
+    save_final(accelerator, policy, tok, save_dir)
     if rank == 0:
         cs = copy.state_dict()
         res["copy_max_diff"] = max(float((cs[k] - v).abs().max()) for k, v in state.items())

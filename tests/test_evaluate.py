@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from evaluate import CachedBackend, format_table, load_transcripts, main, summarize
+from evaluate import format_table, load_transcripts, main, summarize
+from plumbing.backends import CachedBackend
 from fake_openai import FakeOpenAIServer
 
 HAND_MADE = [
@@ -75,7 +76,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     assert "no such transcript file" in capsys.readouterr().err
 
 
-def test_interrupted_evaluation_resumes_without_repaying_calls(tmp_path):
+def test_interrupted_evaluation_resumes_without_repaying_calls(tmp_path, capsys):
     args = ["--model", "tiny", "--limit", "3", "--max-new-tokens", "8", "--max-turns", "3", "--batch-size", "1",
             "--simulator", "openai", "--simulator-model", "fake", "--output-dir", str(tmp_path / "a")]
     with FakeOpenAIServer() as srv:
@@ -94,11 +95,12 @@ def test_interrupted_evaluation_resumes_without_repaying_calls(tmp_path):
         return orig(self, messages, **kw)
     with FakeOpenAIServer() as srv:
         CachedBackend.chat = crashing
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                main(args + ["--simulator-base-url", srv.base_url])
+        try:  # issue 23 item 8: Ctrl-C is one line saying what was saved (it was a traceback)
+            assert main(args + ["--simulator-base-url", srv.base_url]) == 130
         finally:
             CachedBackend.chat = orig
+        line = capsys.readouterr().err.splitlines()[-1]
+        assert line.startswith("evaluate.py: interrupted; saved in") and "1 of 3 dialogues of tiny" in line
         first = len(srv.requests)
         assert first == 7 and len(load_transcripts(str(tmp_path / "a" / "tiny" / "transcripts.jsonl"))) == 1
         assert main(args + ["--simulator-base-url", srv.base_url]) == 0
@@ -137,7 +139,7 @@ def test_evaluation_ignores_the_checkpoints_generation_config(tmp_path, monkeypa
     import evaluate
     from test_rollout import recording_policy
     model, tok, calls = recording_policy(seed=2)
-    monkeypatch.setattr(evaluate, "load_policy", lambda m, seed: (model.eval(), tok))
+    monkeypatch.setattr(evaluate, "load_for_eval", lambda m, seed: (model.eval(), tok))
     assert main(["--model", "tiny", "--limit", "2", "--max-new-tokens", "12", "--max-turns", "2",
                  "--output-dir", str(tmp_path)]) == 0
     assert calls
@@ -155,7 +157,7 @@ def test_evaluation_ignores_the_checkpoints_generation_config(tmp_path, monkeypa
 
 
 # ---------------------------------------------------------------- issue 14: faults, reruns, bad input
-from conftest import bad_json_files  # noqa: E402
+from conftest import OFFICIAL_DATA, ROOT, bad_json_files  # noqa: E402
 from fake_openai import varied_user  # noqa: E402
 
 SMALL = ["--model", "tiny", "--max-new-tokens", "8", "--max-turns", "2", "--batch-size", "4"]
@@ -222,8 +224,9 @@ def test_rerun_replays_simulator_errors_once_the_simulator_is_back(tmp_path):
         out = ["--output-dir", str(tmp_path / d)]
         with FakeOpenAIServer(**down) as srv:
             assert main(args + ["--simulator-base-url", srv.base_url] + out) == 0
+            port = srv.port
         assert [o for _, o, _ in transcript(tmp_path / d)] == ["simulator_error"] * 2
-        with FakeOpenAIServer() as srv:
+        with FakeOpenAIServer(port=port) as srv:  # back, at the same address
             assert main(args + ["--simulator-base-url", srv.base_url] + out + replay) == 0
         t = transcript(tmp_path / d)
         assert len(t) == 2
@@ -247,6 +250,8 @@ def test_a_torn_transcript_line_is_dropped_and_its_dialogue_replayed(tmp_path):
     (["--limit", "-1"], "--limit -1: must be >= 1"),
     (["--max-turns", "0"], "--max-turns 0: must be >= 1"),
     (["--initial-emotion", "500"], "--initial-emotion 500: must be in [0, 100]"),
+    (["--simulator-concurrency", "0"], "--simulator-concurrency 0: must be >= 1"),
+    (["--simulator-timeout", "-1"], "--simulator-timeout -1.0: must be > 0"),
     (["--scenarios", "LATIN1"], "latin1.jsonl:2: not UTF-8"),
     (["--scenarios", "DEEP"], "deep.jsonl:1: JSON nested too deeply"),
 ])
@@ -454,8 +459,8 @@ CHITCHAT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 def test_chitchat_set_and_its_simulator_prompt():
     """Item 3: >= 20 English everyday-chat scenarios, every intention covered, hidden in the goal;
     the simulator frames them as casual chat (not a problem), other scenarios are unchanged."""
-    from simulator import (CHITCHAT_GOALS, Scenario, Simulator, UserState, appraisal_messages, load_scenarios,
-                           reply_messages)
+    from plumbing.scenarios import load_scenarios
+    from simulator import CHITCHAT_GOALS, Scenario, Simulator, UserState, appraisal_messages, reply_messages
     rows = load_scenarios(CHITCHAT)
     assert len(rows) >= 20 and len({s.id for s in rows}) == len(rows)
     assert {s.goal_type for s in rows} == set(CHITCHAT_GOALS)
@@ -491,3 +496,200 @@ def test_eval_prompt_with_think_keeps_the_format_instruction(tmp_path):
     assert fn("en").startswith(SAGE_PROMPTS["en"]) and "<think>" in fn("en") and "<think>" in rec["zh"]
     assert eval_prompt("sage", False)[0]("zh") == SAGE_PROMPTS["zh"]
     assert eval_prompt("train", True)[0]("zh") == build_system_prompt(True, "zh")
+
+
+# ---------------------------------------------------------------- issue 23: faults, round three
+def test_a_lone_surrogate_is_retried_never_cached_and_a_rerun_pays_again(tmp_path):
+    """Item 1: a lone surrogate escape in the user's reply crashed evaluate.py (the tokenizer),
+    in another field it crashed the cache's write; a rerun against a healthy server then
+    crashed again with 0 requests, replaying the bad answer from simulator_cache.jsonl."""
+    args = SMALL + ["--limit", "2"] + OPENAI + ["--output-dir", str(tmp_path)]
+    bad = dict(fault_rate=1.0, fault_kinds=("surrogate", "surrogate_raw"), max_faults_in_a_row=10 ** 9)
+    with FakeOpenAIServer(**bad) as srv:
+        assert main(args + ["--simulator-base-url", srv.base_url]) == 0
+        port = srv.port
+    assert [o for _, o, _ in transcript(tmp_path)] == ["simulator_error"] * 2
+    cache = tmp_path / "simulator_cache.jsonl"
+    assert not cache.exists() or "ud83d" not in cache.read_text().lower()
+    with FakeOpenAIServer(port=port) as srv:
+        assert main(args + ["--simulator-base-url", srv.base_url]) == 0
+        assert len(srv.requests) > 0
+    assert [o for _, o, _ in transcript(tmp_path)] == ["max_turns"] * 2
+
+
+@pytest.mark.parametrize("case", ["no key", "wrong model"])
+def test_an_endpoint_that_cannot_work_is_one_line(case, tmp_path, capsys, monkeypatch):
+    """Item 2, for evaluate.py: found by the check (no key) or at the first call (wrong model)."""
+    monkeypatch.delenv("RLVER_TEST_KEY", raising=False)
+    monkeypatch.setenv("RLVER_RIGHT_KEY", "sk-right")
+    env = "RLVER_TEST_KEY" if case == "no key" else "RLVER_RIGHT_KEY"
+    args = SMALL + ["--limit", "2", "--simulator", "openai", "--simulator-api-key-env", env,
+                    "--simulator-model", "fake" if case == "no key" else "nope", "--output-dir", str(tmp_path)]
+    with FakeOpenAIServer(api_key="sk-right", models=["fake"]) as srv:
+        assert main(args + ["--simulator-base-url", srv.base_url]) == 2
+        # no key: nothing but the check; wrong model: at most the first call of each of the 2
+        # dialogues (the second may be cancelled before it is sent), no retry
+        assert len(srv.requests) == 0 if case == "no key" else 1 <= len(srv.requests) <= 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("evaluate.py: error:") and (env if case == "no key" else "--simulator-model") in line
+
+
+@pytest.mark.parametrize("change", [["--max-turns", "3"], ["--initial-emotion", "50"]])
+def test_a_rerun_under_another_protocol_is_refused(change, tmp_path, capsys):
+    """Item 3: a rerun with another --max-turns or --initial-emotion reused the old dialogues
+    and labelled them with the new protocol (mean turns 2.0 under max_turns 4)."""
+    args = SMALL + ["--limit", "2", "--output-dir", str(tmp_path)]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args + change) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "holds dialogues played under another protocol" in line and change[0][2:].replace("-", "_") in line
+    assert main(args) == 0  # the same protocol reuses them
+
+
+def test_the_simulator_cache_is_keyed_by_endpoint_and_model(tmp_path):
+    """Item 3: after deleting transcripts.jsonl, a rerun against another server and model sent it
+    0 requests and reproduced the first server's scores from simulator_cache.jsonl."""
+    args = SMALL + ["--limit", "2", "--simulator", "openai", "--output-dir", str(tmp_path)]
+    with FakeOpenAIServer() as srv:
+        assert main(args + ["--simulator-base-url", srv.base_url, "--simulator-model", "a"]) == 0
+    for name in ("transcripts.jsonl", "protocol.json"):
+        os.remove(tmp_path / "tiny" / name)
+    with FakeOpenAIServer(responder=varied_user) as srv:
+        assert main(args + ["--simulator-base-url", srv.base_url, "--simulator-model", "b"]) == 0
+        assert len(srv.requests) > 0
+
+
+def test_ctrl_c_is_one_line_saying_what_was_saved(tmp_path):
+    """Item 8: SIGINT ended evaluate.py in a 33-frame traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from conftest import ROOT
+    with FakeOpenAIServer(latency=0.3) as srv:
+        p = subprocess.Popen([sys.executable, os.path.join(ROOT, "evaluate.py"), *SMALL, "--batch-size", "1",
+                              "--limit", "20", *OPENAI, "--simulator-base-url", srv.base_url,
+                              "--output-dir", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        path, deadline = tmp_path / "tiny" / "transcripts.jsonl", time.time() + 300
+        while not (path.exists() and path.read_text().count("\n") >= 1):
+            assert p.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    lines = [l for l in err.splitlines() if l.startswith("evaluate.py:")]
+    assert p.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("evaluate.py: interrupted; saved in") and "of 20 dialogues" in lines[0]
+
+
+# ---------------------------------------------------------------- issue 29: SAGE's protocol and leaderboard
+SAGE_DATA = os.path.join(os.path.dirname(OFFICIAL_DATA), "sage")
+# SAGE's published leaderboard (its README; DeepSeek-V3 2024-12-27 as the simulated user):
+# Sentient score, successes, failures over the 100 dialogues of each released file.
+PUBLISHED = {"gpt-4.1": ("68.2", 35, 13), "gpt-4.5": ("62.7", 23, 15), "claude3.7": ("54.8", 19, 24),
+             "deepseek-v3-1227": ("37.6", 5, 39), "llama3.3-70b": ("33.3", 7, 47), "gpt-4o-0808": ("31.8", 7, 51),
+             "openai-o1": ("29.0", 5, 51), "qwen2.5-72b": ("19.1", 4, 70)}
+
+
+def test_scores_round_half_up_as_sage_publishes_them():
+    from evaluate import half_up
+    assert [half_up(x) for x in (37.55, 33.25, 28.95, 68.15, 19.1, 0.05, 99.95)] == \
+        ["37.6", "33.3", "29.0", "68.2", "19.1", "0.1", "100.0"]
+
+
+@pytest.mark.skipif(not os.path.isdir(SAGE_DATA), reason="SAGE's released results are not here (shared/data/sage)")
+def test_sages_eight_released_results_reproduce_the_published_leaderboard(tmp_path, capsys):
+    """Score, successes and failures, all eight exactly (37.6 / 33.3 / 29.0 included: round half up)."""
+    from evaluate import half_up, load_leaderboard
+    board = load_leaderboard(SAGE_DATA)
+    got = {}
+    for name, recs in board.items():
+        s = summarize(recs)
+        got[name] = (half_up(s["sentient_score"]), round(s["success_rate"] * 100), round(s["failure_rate"] * 100))
+    assert got == PUBLISHED
+    assert main(["--leaderboard", SAGE_DATA, "--judge", "none", "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert " 1. gpt-4.1" in out and " 8. qwen2.5-72b" in out and "DeepSeek-V3 (2024-12-27)" in out
+
+
+@pytest.mark.skipif(not os.path.isdir(SAGE_DATA), reason="SAGE's released results are not here (shared/data/sage)")
+def test_a_leaderboard_run_on_other_profiles_is_refused(tmp_path, capsys):
+    assert main(["--leaderboard", SAGE_DATA, "--model", "tiny", "--scenarios", os.path.join(OFFICIAL_DATA,
+                 "test_profile.jsonl"), "--limit", "5", "--output-dir", str(tmp_path)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("evaluate.py: error: --leaderboard") and "not the same ids" in line
+
+
+def test_our_run_is_ranked_among_a_leaderboard(tmp_path, capsys):
+    """The runnable example at toy size: a folder of two 'released' results on 3 profiles, and
+    the tiny model (rule user) played on the same 3, ranked among them, with the chart."""
+    board = tmp_path / "board"
+    board.mkdir()
+    ids = ["en-041", "en-042", "en-043"]
+    for name, emo in (("a_result", 90), ("b_result", 5)):
+        (board / f"{name}.jsonl").write_text("".join(json.dumps({"id": i, "emo_point": emo}) + "\n" for i in ids))
+    scen = tmp_path / "s.jsonl"
+    scen.write_text("".join(l for l in open(os.path.join(ROOT, "data", "scenarios_test.jsonl")) if
+                            json.loads(l)["id"] in ids))
+    out = tmp_path / "out"
+    assert main(SMALL + ["--leaderboard", str(board), "--scenarios", str(scen), "--judge", "none",
+                         "--output-dir", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert " 1. a" in text and "* tiny" in text and " 3. b" in text and (out / "leaderboard.png").exists()
+
+
+def test_the_default_protocol_judges_at_most_nine_replies(tmp_path):
+    """SAGE's runner makes at most 10 agent replies and appraises the first 9; ours judged 10
+    (emotion traces of 11 values). The default --max-turns is now 9."""
+    assert main(["--model", "tiny", "--limit", "4", "--max-new-tokens", "6", "--judge", "none",
+                 "--output-dir", str(tmp_path)]) == 0
+    recs = transcript(tmp_path)
+    assert recs and all(len(trace) <= 10 for _, _, trace in recs)
+    assert json.load(open(tmp_path / "summary.json"))["protocol"]["max_turns"] == 9
+
+
+def test_the_start_line_names_the_models_and_the_simulated_user(tmp_path, caplog):
+    """Issue 28 item 4: evaluate.py printed no start line at all."""
+    caplog.set_level(logging.INFO, logger="evaluate")
+    with FakeOpenAIServer() as srv:
+        assert main(SMALL + ["--limit", "1", *OPENAI, "--simulator-base-url", srv.base_url,
+                             "--output-dir", str(tmp_path)]) == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("models "))
+    assert "models tiny" in line and srv.base_url in line and "model fake" in line and "standard user" in line
+
+
+def test_rates_follow_the_rules_that_ended_the_dialogue(tmp_path):
+    """Under --rules rlver a dialogue fails at emotion <= 0 and nothing ends at 100: the rates
+    count `outcome`, not SAGE's thresholds (they counted emotion 5 at the turn limit a failure).
+    Our own transcripts may end below 0 (no floor) and are read back (a rerun, --score)."""
+    recs = [{"scenario_id": "a", "emotion": 100, "outcome": "max_turns", "turns": 3},
+            {"scenario_id": "b", "emotion": 5, "outcome": "max_turns", "turns": 3},
+            {"scenario_id": "c", "emotion": -4, "outcome": "failure", "turns": 2}]
+    p = tmp_path / "rlver.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    s = summarize(load_transcripts(str(p)))
+    assert (s["success_rate"], s["failure_rate"], s["sentient_score"]) == (0.0, 1 / 3, 101 / 3)
+    # another system's result (no outcome) is read by SAGE's thresholds, and must be in [0, 100]
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"emo_point": 100}\n{"emo_point": 5}\n')
+    s = summarize(load_transcripts(str(other)))
+    assert (s["success_rate"], s["failure_rate"]) == (0.5, 0.5)
+    other.write_text('{"emo_point": -4}\n')
+    with pytest.raises(ValueError, match="not in"):
+        load_transcripts(str(other))
+
+
+def test_an_rlver_run_below_zero_resumes(tmp_path, capsys):
+    """An interrupted evaluation under --rules rlver whose transcript holds emotion -4 is read
+    back on the rerun (it exited 2: "final emotion -4 is not in [0, 100]")."""
+    flags = ["--model", "tiny", "--limit", "2", "--max-turns", "2", "--max-new-tokens", "8", "--rules", "rlver",
+             "--judge", "none", "--output-dir", str(tmp_path / "out")]
+    assert main(flags) == 0
+    path = tmp_path / "out" / "tiny" / "transcripts.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[0]["emotion"], rows[0]["outcome"] = -4, "failure"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(flags) == 0, capsys.readouterr().err
+    summary = json.load(open(tmp_path / "out" / "summary.json"))["results"]["tiny"]
+    assert summary["failure_rate"] == 0.5

@@ -1,4 +1,4 @@
-"""Chunked log-probs (rollout.token_logprobs) against the full-logits implementation they replace.
+"""Chunked log-probs (logprobs.token_logprobs) against the full-logits implementation they replace.
 
 `reference_token_logprobs` below is token_logprobs as it was before the chunked version: the
 whole [rows, length, vocab] logits from `model(...).logits`, then logsumexp row by row. The
@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout import make_tiny_policy, token_logprobs
+from logprobs import token_logprobs
+from plumbing.models import make_tiny_policy
 
 
 def reference_token_logprobs(model, input_ids, attention_mask, temperature=1.0, micro_batch=None,
@@ -109,7 +110,7 @@ def test_only_wanted_positions_are_computed():
     lm[1, 3:20] = 1  # beyond row 1's end (15): attention mask wins
     ref = reference_token_logprobs(model, ids, am, 0.9)
     seen = []
-    from rollout import _ChunkedLogprobs
+    from logprobs import _ChunkedLogprobs
     orig = _ChunkedLogprobs.forward
 
     def spy(ctx, h, *a):
@@ -176,7 +177,7 @@ import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 from torch.distributed.fsdp import fully_shard
 from test_logprobs import reference_token_logprobs, rows, tiny
-from rollout import token_logprobs
+from logprobs import token_logprobs
 dist.init_process_group("gloo")
 model, _ = tiny(tied=sys.argv[2] == "tied")
 ids, am = rows()

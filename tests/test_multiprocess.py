@@ -2,6 +2,7 @@
 switches accelerate's CPU state to FSDP; everything else is accelerate's and torch's own code
 running train.py unchanged)."""
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -75,7 +76,12 @@ def test_train_resume_equals_uninterrupted(mode, algo, extra, tmp_path):
     assert metric_steps(full) == [0, 1, 2, 3]  # one row per step: the processes stayed in step
     rows = [json.loads(l) for l in open(os.path.join(full, "metrics.jsonl"))]
     assert all(r["dialogues"] == 4 * (2 if algo == "grpo" else 1) for r in rows)  # summed, not averaged
-    assert all(r["optimizer_steps"] == 2 for r in rows)
+    # A minibatch is minibatch_size x group_size rows of the whole step: a row is a dialogue, or
+    # with per-turn samples an agent turn (issue 29: as the official think mode counts them).
+    group = 2 if algo == "grpo" else 1
+    for r in rows:
+        rows_of_step = round(r["dialogues"] * r["turns"]) if "--per-turn-samples" in extra else r["dialogues"]
+        assert r["optimizer_steps"] == math.ceil(rows_of_step / (2 * group)), r
     assert [r["lr"] for r in rows] == pytest.approx([1e-2 * 2 / 3, 1e-2, 1e-2, 1e-2])
     ck = sorted(os.listdir(os.path.join(full, "checkpoints")))
     assert ck == ["step_000002", "step_000004"]  # no temporary folder left behind
@@ -89,6 +95,19 @@ def test_train_resume_equals_uninterrupted(mode, algo, extra, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_a_checkpoint_one_process_cannot_write_ends_every_process_in_one_line(tmp_path):
+    """Process 1's part of the step-1 checkpoint fails (a full disk): it said nothing, and the
+    main process published the checkpoint without that part, or waited in the next collective
+    for the launcher to kill it. Now each says so, the checkpoint is not published."""
+    rc, log = launch("ddp", "tests/mp_save_fault.py", *TINY, "--steps", "2", "--save-every", "1",
+                     "--output-dir", str(tmp_path), timeout=200)
+    lines = [l[l.index("train.py: error:"):] for l in log.splitlines() if "train.py: error:" in l]
+    assert rc == 1 and "Traceback" not in log, log[-3000:]
+    assert any("No space left on device" in l for l in lines), log[-3000:]
+    assert all("step_000001" in l and "continue with:" in l for l in lines), lines
+    assert not os.path.exists(tmp_path / "checkpoints" / "step_000001")
 
 
 def test_fsdp2_ppo_runs_with_sharded_generation(tmp_path):
@@ -119,6 +138,6 @@ def test_process_count_mismatch_is_refused(tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     errors = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("train.py: error:")]
     assert p.returncode != 0
-    assert len(errors) == 2, p.stderr[-3000:]  # one line from each rank
+    assert len(errors) == 1, p.stderr[-3000:]  # the same on every rank: said once, by rank 0
     assert all("2 processes were launched (WORLD_SIZE) but accelerate sees 1" in l for l in errors)
     assert not os.path.exists(tmp_path / "metrics.jsonl")

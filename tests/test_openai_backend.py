@@ -1,11 +1,13 @@
 """The OpenAI backend against a real HTTP server on 127.0.0.1 that injects faults."""
+import json
 import logging
 import time
 
 import pytest
 
 from fake_openai import FakeOpenAIServer, varied_user
-from simulator import OpenAIBackend, Scenario, Simulator
+from plumbing.backends import OpenAIBackend
+from simulator import EndpointError, Scenario, Simulator, is_text
 
 S = Scenario(id="a", persona="Ann", background="Lost her job.", hidden_goal="advice",
              first_message="I lost my job.")
@@ -78,6 +80,15 @@ def test_server_without_json_mode_falls_back():
     assert "response_format" in srv.requests[0]["body"] and "response_format" not in srv.requests[-1]["body"]
 
 
+def test_json_mode_fallback_is_not_a_failed_try():
+    """A server without JSON mode is asked again at once: with no retries at all (max_retries=0,
+    as bench_rollout uses) the call still gets its answer. (It raised UnboundLocalError.)"""
+    with FakeOpenAIServer(json_mode=False) as srv:
+        b = backend(srv, max_retries=0)
+        text = b.chat([{"role": "user", "content": "hi"}])
+    assert isinstance(text, str) and text and b.json_mode is False and len(srv.requests) == 2
+
+
 def test_check_reports_unreachable_endpoint():
     b = OpenAIBackend("http://127.0.0.1:9/v1", "m", timeout=0.5, max_retries=0)
     with pytest.raises(ConnectionError, match="unreachable"):
@@ -146,3 +157,103 @@ def test_a_hung_server_costs_one_call_budget_not_retries_times_timeout():
         took = time.monotonic() - t0
     assert st.outcome == "simulator_error" and "call budget" in st.trace[-1]["error"]
     assert len(srv.requests) == 1 and took < 3.0, (len(srv.requests), took)
+
+
+# ---------------------------------------------------------------- issue 23: faults, round three
+@pytest.mark.parametrize("kind", ["surrogate", "surrogate_raw", "length", "400", "dup", "huge"])
+def test_an_unusable_answer_is_one_failed_try(kind):
+    """Items 1, 4, 5, 10: a lone surrogate in the answer (valid JSON, not text), an appraisal cut
+    off at max_tokens (its prose says "change: -8"), a 400 that is not about JSON mode, the
+    change twice, a 5 MB answer: each is one failed try, retried. Before: the surrogate reached
+    the tokenizer, the cut appraisal scored -8, the 400 turned JSON mode off for good, the last
+    "change" won, the 5 MB answer went into the transcript."""
+    with FakeOpenAIServer(faults=[kind]) as srv:
+        b = backend(srv)
+        sim = Simulator(b, initial_emotion=30, max_turns=3)
+        st = play(sim)
+        counts = sim.take_counts()
+    assert st.outcome == "max_turns" and [t["change"] for t in st.trace] == [3, 3, 3], st.trace
+    assert all(is_text(m["content"]) and len(m["content"]) < 1000 for m in st.history)
+    assert counts["parse_retries"] == 1 and b.json_mode
+    assert all("response_format" in r["body"] for r in srv.requests)
+
+
+def test_a_persistent_surrogate_is_a_simulator_error_never_an_exception():
+    with FakeOpenAIServer(faults=["surrogate"] * 100) as srv:
+        st = play(Simulator(backend(srv), initial_emotion=30, parse_retries=3))
+    assert st.outcome == "simulator_error" and len(srv.requests) == 3
+
+
+def test_json_mode_is_off_only_when_the_400_is_about_it():
+    """Item 5: a server without JSON mode answers 400 naming response_format: off from then on."""
+    with FakeOpenAIServer(json_mode=False) as srv:
+        b = backend(srv)
+        play(Simulator(b, initial_emotion=30, max_turns=1), turns=1)
+    assert b.json_mode is False
+
+
+def test_the_change_as_a_number_or_a_numeric_string_rounds_half_away_from_zero():
+    """Item 10: "5.5" was refused while 5.5 was taken, and 2.5 became 2 (banker's rounding)."""
+    from simulator import parse_appraisal
+    for change, want in [("5.5", 6), (5.5, 6), (2.5, 3), (-2.5, -3), ("+3", 3), (" -4 ", -4), (7, 7), (1e3, 1000)]:
+        assert parse_appraisal(json.dumps({"analysis": "a", "change": change}))[0] == want, change
+    for bad in ['{"change": 3, "change": -8}', '{"change": "5.5.5"}', '{"change": "3x"}', '{"change": true}']:
+        assert parse_appraisal(bad) is None, bad
+
+
+def test_a_trickling_server_is_cut_at_the_call_budget():
+    """Item 9: a server that sends its answer one byte every 0.2 s (a 200-byte answer takes 40 s)
+    held one call for 58 s against an 8 s budget: the HTTP timeout applies per read. Now the
+    call ends at the budget, as simulator_error."""
+    with FakeOpenAIServer(faults=["trickle"] * 100, trickle=0.2) as srv:
+        sim = Simulator(backend(srv, timeout=30), initial_emotion=30, call_budget=2.0)
+        t0 = time.monotonic()
+        st = sim.step(sim.reset(S), "hello")
+        took = time.monotonic() - t0
+    assert st.outcome == "simulator_error" and "within" in st.trace[-1]["error"]
+    assert took < 2.0 + 1.0, took  # the budget, plus slack for a loaded machine
+
+
+def test_a_key_the_server_echoes_is_never_logged(monkeypatch, caplog):
+    """Item 10: an error body that echoes the Authorization header printed the key 8 times."""
+    monkeypatch.setenv("RLVER_TEST_KEY", SECRET)
+    caplog.set_level(logging.DEBUG)
+    with FakeOpenAIServer(faults=["echo_key"] * 100) as srv:
+        st = play(Simulator(backend(srv, max_retries=1), initial_emotion=30, parse_retries=2))
+    assert st.outcome == "simulator_error" and "***" in st.trace[-1]["error"]
+    assert SECRET not in caplog.text and SECRET not in str(st.trace)
+
+
+@pytest.mark.parametrize("case", ["no key", "wrong key", "wrong model"])
+def test_an_endpoint_that_cannot_work_is_one_endpoint_error(case, monkeypatch):
+    """Item 2: 401/403/404 were counted as parse retries on every call of every step. Now the
+    check before the run (no key, a wrong key: GET /models answers 401) or the first call (a
+    model the server does not have: 404) raises EndpointError, naming the flag or variable."""
+    monkeypatch.delenv("RLVER_TEST_KEY", raising=False)
+    if case == "wrong key":
+        monkeypatch.setenv("RLVER_TEST_KEY", "sk-wrong")
+    with FakeOpenAIServer(api_key="sk-right", models=["fake"]) as srv:
+        monkeypatch.setenv("RLVER_SERVER_KEY", "sk-right")
+        env = "RLVER_SERVER_KEY" if case == "wrong model" else "RLVER_TEST_KEY"
+        b = OpenAIBackend(srv.base_url, "nope" if case == "wrong model" else "fake", api_key_env=env, timeout=2)
+        if case == "wrong model":
+            b.check()  # the key is right: the check passes, the first call fails
+            with pytest.raises(EndpointError, match="404 for model 'nope': check --simulator-model"):
+                Simulator(b, initial_emotion=30).step(Simulator(b).reset(S), "hi")
+            assert len(srv.requests) == 1  # no retries
+        else:
+            with pytest.raises(EndpointError, match="RLVER_TEST_KEY"):
+                b.check()
+            assert srv.requests == []
+
+
+def test_a_failed_cache_write_is_a_save_error(tmp_path):
+    """A full disk while appending to simulator_cache.jsonl / judge_cache.jsonl was a bare
+    OSError out of Simulator.step (a traceback); it is a SaveError, which train.py and
+    evaluate.py end in one line."""
+    from plumbing.backends import CachedBackend
+    from plumbing.checkpoints import SaveError
+    (tmp_path / "afile").write_text("x")
+    cached = CachedBackend(object(), str(tmp_path / "afile" / "cache.jsonl"))  # a folder that is a file
+    with pytest.raises(SaveError, match="could not write"):
+        cached.keep([{"role": "user", "content": "hi"}], "answer")

@@ -1,10 +1,15 @@
+import copy
+
 import pytest
 import torch
 
 from grpo import GRPOConfig, group_advantages, grpo_loss, grpo_update
-from ppo import (PPOConfig, ValueModel, compute_gae, kl_penalty, masked_mean, masked_whiten, policy_loss,
-                 ppo_update, token_rewards, value_loss)
-from rollout import add_logprobs, collate, make_tiny_policy
+from logprobs import add_logprobs
+from plumbing.distributed import pad_rows
+from plumbing.models import make_tiny_policy
+from ppo import PPOConfig, ValueModel, compute_gae, masked_whiten, policy_loss, ppo_update, token_rewards, value_loss
+from rollout import collate
+from update import kl_penalty, masked_mean
 
 
 def ragged(N=5, T=12, seed=0):
@@ -177,7 +182,7 @@ def test_grpo_gradient_accumulation_equals_full_batch(agg):
     grads = []
     for micro in (6, 1, 4):
         opt = Capture(model.parameters())
-        cfg = GRPOConfig(minibatch_size=6, micro_batch_size=micro, agg=agg, kl_coef=0.05, max_grad_norm=1e9)
+        cfg = GRPOConfig(minibatch_size=6, micro_batch_size=micro, loss_agg=agg, kl_coef=0.05, max_grad_norm=1e9)
         grpo_update(model, opt, batch, cfg, generator=torch.Generator().manual_seed(0))
         grads.append(opt.grads[0])
     for other in grads[1:]:
@@ -251,10 +256,10 @@ def test_on_policy_update_without_stored_old_logprobs_is_identical(algo):
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_padding_rows_contribute_zero_gradient(algo):
-    """Batch.pad_to equalises row counts across FSDP processes without changing the update."""
+    """plumbing.distributed.pad_rows equalises row counts across FSDP processes without changing the update."""
     model, tok = make_tiny_policy(seed=6)
     b = synthetic_batch(model, tok, n=5, seed=6)
-    padded = b.pad_to(8, tok.pad_token_id)
+    padded = pad_rows(b, 8, tok.pad_token_id)
     assert len(padded) == 8 and padded.loss_mask[5:].sum() == 0 and len(set(padded.group_ids[5:].tolist())) == 3
     grads = []
     for batch in (b, padded):
@@ -269,7 +274,7 @@ def test_padding_rows_contribute_zero_gradient(algo):
         grads.append(opt.grads[0])
     for a, c in zip(*grads):
         assert torch.allclose(a, c, atol=1e-6, rtol=1e-4)
-    empty = b.select([]).pad_to(2, tok.pad_token_id)
+    empty = pad_rows(b.select([]), 2, tok.pad_token_id)
     assert len(empty) == 2 and empty.loss_mask.sum() == 0 and empty.attention_mask.sum() == 4
 
 
@@ -316,13 +321,13 @@ def test_grpo_entropy_bonus_is_applied_like_ppo():
     loss, as verl does whatever the advantage estimator. With all-equal rewards the surrogate has
     zero gradient, so the whole gradient is the entropy term's."""
     from grpo import aggregate
-    from rollout import token_logprobs
+    from logprobs import token_logprobs
     model, tok = make_tiny_policy(seed=8)
     b = synthetic_batch(model, tok, n=6, seed=8)
     b = b.__class__(**{**b.__dict__, "rewards": torch.full((6,), 0.5), "ref_logprobs": None})
     for agg in ["token-mean", "seq-mean-token-sum"]:
         opt = Capture(model.parameters())
-        grpo_update(model, opt, b, GRPOConfig(minibatch_size=6, micro_batch_size=4, agg=agg, entropy_coef=0.3,
+        grpo_update(model, opt, b, GRPOConfig(minibatch_size=6, micro_batch_size=4, loss_agg=agg, entropy_coef=0.3,
                                               max_grad_norm=1e9))
         model.zero_grad()
         _, ent = token_logprobs(model, b.input_ids, b.attention_mask, return_entropy=True, entropy_grad=True)
@@ -335,3 +340,66 @@ def test_grpo_entropy_bonus_is_applied_like_ppo():
     opt = Capture(model.parameters())
     grpo_update(model, opt, b, GRPOConfig(minibatch_size=6, entropy_coef=0.0))
     assert all((g == 0).all() for g in opt.grads[0])  # no bonus, no signal: no gradient
+
+
+def test_per_turn_rows_make_about_one_optimizer_step_per_turn():
+    """Issue 29: the official think mode counts its minibatch (32 prompts x n) in turn-rows, so a
+    rollout makes about as many optimizer steps as a dialogue has turns; ours made one."""
+    from update import UpdateConfig, minibatch_rows, needs_old_logprobs
+    # 4 scenarios x 1 dialogue x 3 turns = 12 turn-rows; minibatch 4 scenarios: 3 optimizer steps
+    rows = [([1, 2, 3], [0, 1, 1], 0.5, d, d * 3 + t) for d in range(4) for t in range(3)]
+    b = collate(rows, 0)
+    cfg = UpdateConfig(minibatch_size=4, group_size=1)
+    assert minibatch_rows(b, cfg) == 4 and needs_old_logprobs(b, cfg)
+    one = collate(rows[::3], 0)  # one row per dialogue: one step, no stored old log-probs needed
+    assert minibatch_rows(one, cfg) == 4 and not needs_old_logprobs(one, cfg)
+
+
+def test_truncated_importance_sampling_against_an_independent_computation():
+    """Issue 25: --rollout-is-cap C weights each token's clipped surrogate by min(pi_old / pi_sampler, C)
+    (verl's and TRL's TIS). The weighted loss and its gradient, computed by hand in float64."""
+    from update import truncated_is_weights
+    g = torch.Generator().manual_seed(0)
+    N, T, C = 3, 7, 2.0
+    mask = (torch.rand(N, T, generator=g) > 0.3).float()
+    old = -torch.rand(N, T, generator=g) * 3
+    sampler = old + (torch.rand(N, T, generator=g) - 0.5) * 2  # pi_sampler differs from pi_old
+    lp = (old + (torch.rand(N, T, generator=g) - 0.5) * 0.6).requires_grad_(True)
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    w = truncated_is_weights(old, sampler, C)
+    loss, _ = grpo_loss(lp, old, None, adv, mask, clip_eps=0.2, is_weights=w)
+    loss.backward()
+    # By hand: r = exp(lp - old); per token max(-A r, -A clip(r)) * min(exp(old - sampler), C);
+    # the mean over the masked tokens. d/dlp of -A r w is -A r w where the unclipped term is the
+    # max (or both equal), 0 where the clipped term wins strictly.
+    lp64, old64, s64, m64 = (x.detach().double() for x in (lp, old, sampler, mask))
+    a64 = adv.double()[:, None]
+    r = torch.exp(lp64 - old64)
+    wt = torch.minimum(torch.exp(old64 - s64), torch.tensor(C, dtype=torch.float64))
+    unclipped, clipped = -a64 * r, -a64 * r.clamp(0.8, 1.2)
+    want = (torch.maximum(unclipped, clipped) * wt * m64).sum() / m64.sum()
+    grad = torch.where(unclipped >= clipped, -a64 * r * wt, torch.zeros_like(r)) * m64 / m64.sum()
+    assert abs(loss.item() - want.item()) < 1e-6
+    assert torch.allclose(lp.grad.double(), grad, atol=1e-6)
+    assert w.max() <= C and not w.requires_grad
+
+
+def test_the_update_weights_tokens_only_with_a_cap_and_engine_logprobs():
+    """update_loop applies TIS when --rollout-is-cap > 0 and the batch carries the engine's
+    log-probs; without either the gradient is the plain one."""
+    model, tok = make_tiny_policy(seed=0)
+    rows = [([1, 2, 3 + i, 4 + 2 * i, 5, 6 + i], [0, 0, 1, 1, 1, 1], r, i // 2, i, [0, 0, -1.0, -2.0, -0.5, -3.0])
+            for i, r in enumerate([0.1, 0.9, 0.4, 0.6])]
+    grads = {}
+    for name, cap, keep in [("plain", 0.0, True), ("no-engine", 2.0, False), ("tis", 2.0, True)]:
+        b = collate(rows, 0, sampled_by_engine=True)
+        if not keep:
+            b.sampler_logprobs = None
+        m = copy.deepcopy(model)
+        opt = Capture(m.parameters())
+        grpo_update(m, opt, b, GRPOConfig(minibatch_size=4, micro_batch_size=4, rollout_is_cap=cap))
+        grads[name] = opt.grads[0]
+    # (two runs of the same update differ by ~1e-8 on a CPU: summation order)
+    same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads["plain"], grads["no-engine"]))
+    differ = max(float((a - b).abs().max()) for a, b in zip(grads["plain"], grads["tis"]))
+    assert same and differ > 1e-3

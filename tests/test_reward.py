@@ -56,3 +56,17 @@ def test_shaping_is_off_by_default_and_adds_mean_delta():
 def test_simulator_error_is_never_scored():
     with pytest.raises(ValueError, match="exclude"):
         dialogue_reward(state(50, outcome="simulator_error"), ["x"], think=False)
+
+
+def test_format_rule_none_is_the_official_code():
+    """Issue 29: the official code has no format penalty; what reaches the user is the text after
+    the last </think>, or all of it (reasoning included) when the tag is missing."""
+    from reward import spoken_reply
+    st = UserState(scenario=Scenario(id="a", persona="p", background="b", hidden_goal="g"), emotion=64)
+    broken = ["no tags here, just talking", "<think>a</think>b</think>c"]
+    assert dialogue_reward(st, broken, think=True) == 0.0
+    assert dialogue_reward(st, broken, think=True, format_rule="none") == 0.64
+    assert spoken_reply("I think <think> so", True, "none") == "I think <think> so"
+    assert spoken_reply("<think>a</think>b</think> c ", True, "none") == "c"
+    assert spoken_reply("<think>a</think> b", True, "paper") == "b"
+    assert spoken_reply(" hi ", False, "none") == "hi"

@@ -3,8 +3,12 @@ import json
 import pytest
 import torch
 
-from rollout import (GenConfig, build_system_prompt, make_tiny_policy, make_tiny_tokenizer, rollout, rollout_stats,
-                     split_think, token_logprobs, user_turn_ids)
+from logprobs import add_logprobs, token_logprobs
+from plumbing.logs import rollout_stats
+from plumbing.models import make_tiny_policy, make_tiny_tokenizer
+from rollout import RolloutConfig as GenConfig
+from reward import split_think
+from rollout import build_system_prompt, rollout, user_turn_ids
 from simulator import RuleBackend, Scenario, Simulator
 
 SC = [Scenario(id=f"s{i}", persona="p", background="Lost a job.", hidden_goal="g", goal_type="empathy",
@@ -86,7 +90,7 @@ def test_stored_policy_ids_equal_generated_ids(tiny):
     try:
         torch.manual_seed(0)
         b = rollout(model, tok, sim(), SC, group_size=2, think=False,
-                    gen_cfg=GenConfig(max_new_tokens=24), compute_logprobs=False)
+                    gen_cfg=GenConfig(max_new_tokens=24))
     finally:
         del model.generate
     assert len(b) == 6
@@ -113,7 +117,7 @@ def test_loss_mask_matches_chat_template_assistant_mask(tiny, template):
         tok.chat_template = QWEN25_TEMPLATE
     policy = ScriptedPolicy(tok, ["That sounds hard.", "I hear you. What happened?", "You did well, honestly."])
     b = rollout(policy, tok, sim(), SC[:2], group_size=2, think=False,
-                gen_cfg=GenConfig(max_new_tokens=64), compute_logprobs=False)
+                gen_cfg=GenConfig(max_new_tokens=64))
     for d, m in enumerate(b.metrics):
         msgs = [{"role": "system", "content": build_system_prompt(False)}] + m["history"]
         while msgs[-1]["role"] != "assistant":
@@ -130,7 +134,7 @@ def test_truncated_turn_gets_forced_end_token_with_mask_zero(tiny):
     _, tok = tiny
     policy = ScriptedPolicy(tok, ["a very long answer that will be cut"])
     b = rollout(policy, tok, sim(max_turns=2), SC[:1], think=False,
-                gen_cfg=GenConfig(max_new_tokens=5), compute_logprobs=False)
+                gen_cfg=GenConfig(max_new_tokens=5))
     row, lm = b.input_ids[0].tolist(), b.loss_mask[0].tolist()
     (s1, e1), (s2, e2) = spans(lm)
     assert e1 - s1 == 5 and row[e1] == tok.eos_token_id and lm[e1] == 0
@@ -167,7 +171,7 @@ def test_group_members_share_scenario_and_opening(tiny):
     _, tok = tiny
     policy = ScriptedPolicy(tok, ["ok then", "sure", "fine", "right", "hm", "yes"])
     b = rollout(policy, tok, sim(max_turns=2), SC[:3], group_size=2, think=False,
-                gen_cfg=GenConfig(max_new_tokens=16), compute_logprobs=False)
+                gen_cfg=GenConfig(max_new_tokens=16))
     assert b.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
     for m in b.metrics:
         assert m["history"][0]["content"] == SC[m["group"]].first_message
@@ -180,7 +184,7 @@ def test_think_mode_only_reply_reaches_user_and_violations_zero_reward(tiny):
     texts = ["<think>SECRET-THOUGHT</think>That sounds hard.", "no think tags here"]
     policy = ScriptedPolicy(tok, texts)
     b = rollout(policy, tok, sim(max_turns=2), SC[:1], group_size=2, think=True,
-                gen_cfg=GenConfig(max_new_tokens=64), compute_logprobs=False)
+                gen_cfg=GenConfig(max_new_tokens=64))
     for m in b.metrics:
         users_view = json.dumps([h for h in m["history"]])
         assert "SECRET-THOUGHT" not in users_view  # the simulator never saw the thought
@@ -195,8 +199,7 @@ def test_per_turn_samples_and_dropped_thoughts(tiny):
     _, tok = tiny
     policy = ScriptedPolicy(tok, ["<think>T-ONE</think>Sounds hard."] * 2 + ["<think>T-TWO</think>I hear you."] * 2)
     b = rollout(policy, tok, sim(max_turns=2), SC[:1], group_size=2, think=True,
-                gen_cfg=GenConfig(max_new_tokens=64, per_turn_samples=True, drop_thoughts=True),
-                compute_logprobs=False)
+                gen_cfg=GenConfig(max_new_tokens=64, per_turn_samples=True, drop_thoughts=True))
     assert len(b) == 4 and b.dialogue_ids.tolist() == [0, 0, 1, 1]
     assert torch.equal(b.rewards[0], b.rewards[1])
     second_turn = tok.decode(b.input_ids[1][b.loss_mask[1] == 0])
@@ -214,7 +217,7 @@ def test_simulator_error_dialogues_are_flagged_and_left_out(tiny):
             return super().appraise(state, reply)
     policy = ScriptedPolicy(tok, ["ok"])
     b = rollout(policy, tok, Simulator(Flaky(), max_turns=2), SC[:2], group_size=2, think=False,
-                gen_cfg=GenConfig(max_new_tokens=8), compute_logprobs=False)
+                gen_cfg=GenConfig(max_new_tokens=8))
     assert len(b.metrics) == 4 and len(b) == 2 and b.group_ids.tolist() == [0, 0]
     assert [m["valid"] for m in b.metrics] == [True, True, False, False]
     assert rollout_stats(b)["simulator_errors"] == 2
@@ -228,7 +231,7 @@ def test_token_budget_stops_dialogue(tiny):
         [{"role": "system", "content": build_system_prompt(False)}, {"role": "user", "content": SC[0].first_message}],
         tokenize=False, add_generation_prompt=True)))
     b = rollout(policy, tok, sim(max_turns=10), SC[:1], think=False,
-                gen_cfg=GenConfig(max_new_tokens=40, max_total_tokens=first + 150), compute_logprobs=False)
+                gen_cfg=GenConfig(max_new_tokens=40, max_total_tokens=first + 150))
     m = b.metrics[0]
     assert m["outcome"] == "max_tokens" and 1 <= m["turns"] < 10
     assert b.attention_mask.sum() <= first + 150
@@ -239,7 +242,8 @@ def test_batch_logprobs_and_select(tiny):
     model, tok = tiny
     torch.manual_seed(0)
     b = rollout(model, tok, sim(max_turns=2), SC[:2], group_size=2, think=False,
-                gen_cfg=GenConfig(max_new_tokens=8), ref_model=model)
+                gen_cfg=GenConfig(max_new_tokens=8))
+    b = add_logprobs(b, model, ref_model=model)
     assert b.old_logprobs.shape == b.input_ids.shape and torch.equal(b.old_logprobs, b.ref_logprobs)
     assert (b.old_logprobs[b.loss_mask == 1] < 0).all()
     sub = b.select([1, 3])
@@ -277,11 +281,10 @@ def test_process_without_work_keeps_joining_generate(tiny):
     def any_active(local):
         seen.append(local)
         return local or next(others_running)
-    b = rollout(policy, tok, sim(max_turns=2), SC[:1], think=False, gen_cfg=GenConfig(max_new_tokens=16),
-                compute_logprobs=False, any_active=any_active)
+    b = rollout(policy, tok, sim(max_turns=2), SC[:1], think=False, gen_cfg=GenConfig(max_new_tokens=16), any_active=any_active)
     assert seen == [True, True, False, False, False] and len(policy.returned) == 4  # 2 real + 2 dummy
     ref = rollout(ScriptedPolicy(tok, ["That sounds hard."]), tok, sim(max_turns=2), SC[:1], think=False,
-                  gen_cfg=GenConfig(max_new_tokens=16), compute_logprobs=False)
+                  gen_cfg=GenConfig(max_new_tokens=16))
     assert torch.equal(b.input_ids, ref.input_ids) and torch.equal(b.loss_mask, ref.loss_mask)
 
 
@@ -294,7 +297,7 @@ QWEN_LIKE_DEFAULTS = dict(do_sample=True, repetition_penalty=1.05, top_k=20, top
 def recording_policy(seed=0):
     """A tiny model carrying Qwen-like generation defaults whose generate() also records the
     scores after all logits processors/warpers and the raw logits of every step."""
-    from rollout import make_tiny_policy as mk
+    from plumbing.models import make_tiny_policy as mk
     model, tok = mk(seed=seed)
     for k, v in QWEN_LIKE_DEFAULTS.items():
         setattr(model.generation_config, k, v)
@@ -347,7 +350,7 @@ def test_never_appraised_dialogues_are_not_scored(tiny):
     reward 0.40 here. Now it has no score: not valid, counted apart, out of the means."""
     _, tok = tiny
     b = rollout(ScriptedPolicy(tok, ["ok"]), tok, sim(), SC[:2], group_size=2, think=False,
-                gen_cfg=GenConfig(max_new_tokens=8, max_total_tokens=20), compute_logprobs=False)
+                gen_cfg=GenConfig(max_new_tokens=8, max_total_tokens=20))
     assert len(b) == 0 and [(m["valid"], m["turns"], m["outcome"]) for m in b.metrics] == [(False, 0, "max_tokens")] * 4
     s = rollout_stats(b)
     assert (s["reward"], s["emotion"], s["unappraised"], s["simulator_errors"], s["dialogues"]) == (None, None, 4, 0, 4)
@@ -357,8 +360,9 @@ def test_word_tokenizer_makes_the_cpu_demo_readable():
     """The CPU demo's tokenizer (train.py / evaluate.py --model tiny): every phrase the rule
     user reacts to or says is in its vocabulary, and a RANDOM tiny model already speaks words,
     so what RL changes is which words (the byte tokenizer's random model writes byte noise)."""
-    from rollout import end_of_turn_id, generate_turn, make_tiny_word_tokenizer
-    from simulator import rule_user_phrases
+    from plumbing.models import make_tiny_word_tokenizer
+    from rollout import end_of_turn_id, generate_turn
+    from plumbing.models import rule_user_phrases
     tok = make_tiny_word_tokenizer()
     phrases = rule_user_phrases("en")
     assert len(phrases) > 80 and "sounds" in phrases and "get over it" in phrases
@@ -374,3 +378,61 @@ def test_word_tokenizer_makes_the_cpu_demo_readable():
         texts = [tk.decode(t, skip_special_tokens=True) for t in turns]
         readable = sum(rule.features(x, "", "empathy")["readable"] for x in texts) / len(texts)
         assert (readable >= want) if words else (readable < want), (words, readable, texts)
+
+
+def test_each_user_answer_reaches_its_own_dialogue_after_others_ended():
+    """Issue 29: the official rollout picks the simulated user by position once a dialogue of the
+    batch has ended (answers go to the wrong user). Ours routes by dialogue: every user line
+    names its own scenario, while dialogues end at turns 1, 2 and 3."""
+    class Named:
+        def appraise(self, state, reply):
+            return (-10 if state.turn >= int(state.scenario.id[1:]) else 1), "x"  # s_k fails at turn k + 1
+
+        def respond(self, state, final):
+            return f"I am {state.scenario.id}, turn {state.turn}."
+
+        def opening(self, sc):
+            return f"I am {sc.id}."
+    scenarios = [Scenario(id=f"s{i}", persona="p", background="b", hidden_goal="g") for i in range(3)]
+    tok = make_tiny_tokenizer()
+    policy = ScriptedPolicy(tok, ["hello there"])
+    b = rollout(policy, tok, Simulator(Named(), initial_emotion=15, max_turns=5), scenarios, group_size=2,
+                think=False, gen_cfg=GenConfig(max_new_tokens=8))
+    ends = {}
+    for m in b.metrics:
+        users = [x["content"] for x in m["history"] if x["role"] == "user"]
+        assert all(u.startswith(f"I am {m['scenario_id']}") for u in users), (m["scenario_id"], users)
+        ends[m["scenario_id"]] = m["turns"]
+    assert ends == {"s0": 1, "s1": 2, "s2": 3}
+
+
+class EngineStandIn:
+    """Plays like plumbing.engines.VLLMEngine.play (each dialogue on its own, through
+    rollout.play_dialogue) without vLLM: every turn is the same ids with the log-probs given."""
+
+    def __init__(self, tok, logprob):
+        self.ids, self.logprob = tok.encode("hello there", add_special_tokens=False), logprob
+
+    def play(self, dialogues, play_one, simulator, cfg, seed, progress=None):
+        def generate(ids, request_seed):
+            toks = (self.ids + [dialogues[0].end_id])[:cfg.max_new_tokens]
+            return toks, [self.logprob] * len(toks)
+        for d in dialogues:
+            play_one(d, generate, simulator)
+
+
+@pytest.mark.parametrize("per_turn", [False, True])
+def test_engine_logprobs_are_kept_even_when_all_zero(per_turn):
+    """A near-deterministic policy's engine log-probs can all be 0.0: they are still the
+    sampler's (TIS and the mismatch metric need them). They were dropped as 'absent'."""
+    tok = make_tiny_tokenizer()
+    cfg = GenConfig(max_new_tokens=8, per_turn_samples=per_turn)
+    for lp in (0.0, -0.5):
+        b = rollout(None, tok, sim(max_turns=2), SC[:2], group_size=2, think=False, gen_cfg=cfg,
+                    engine=EngineStandIn(tok, lp))
+        assert b.sampler_logprobs is not None
+        assert torch.all(b.sampler_logprobs[b.loss_mask.bool()] == lp)
+    # the Hugging Face path keeps none
+    b = rollout(ScriptedPolicy(tok, ["hello there"]), tok, sim(max_turns=2), SC[:2], group_size=2, think=False,
+                gen_cfg=cfg)
+    assert b.sampler_logprobs is None

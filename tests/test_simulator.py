@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from conftest import OFFICIAL_DATA, ROOT
-from simulator import (GOAL_TYPES, PERSONALITY_TYPES, RuleBackend, Scenario, ScenarioError,
-                       Simulator, UserState, emotion_level, load_scenarios, parse_appraisal,
-                       parse_reply)
+from plumbing.scenarios import ScenarioError, load_scenarios
+from simulator import (GOAL_TYPES, PERSONALITY_TYPES, RuleBackend, Scenario, Simulator, UserState, emotion_level,
+                       parse_appraisal, parse_reply)
 
 
 def sc(**kw):
@@ -163,13 +163,22 @@ def test_parse_appraisal_garbage(text):
 
 
 def test_parse_reply():
-    assert parse_reply(R("hi there")) == ("hi there", False)
-    assert parse_reply('{"reply": "bye", "goodbye": "true"}') == ("bye", True)
-    assert parse_reply('{"reply": "no goodbye field"}') == ("no goodbye field", False)
-    assert parse_reply("Thinking: sad\nReply: leave me alone\nGoodbye: true") == ("leave me alone", True)
-    assert parse_reply("回复：好吧") == ("好吧", False)
+    # Issue 29: the answer is the line alone; a goodbye is read from its words, as SAGE does
+    # (it was a JSON goodbye flag).
+    assert parse_reply(R("hi there")) == "hi there"
+    assert parse_reply('{"reply": "no goodbye field"}') == "no goodbye field"
+    assert parse_reply("Thinking: sad\nReply: leave me alone") == "leave me alone"
+    assert parse_reply("回复：好吧") == "好吧"
     for bad in ["", "{}", '{"reply": ""}', '{"reply": 3}', "just words"]:
         assert parse_reply(bad) is None
+
+
+def test_a_goodbye_is_a_word_in_the_answer():
+    from simulator import said_goodbye
+    for text in ["OK, bye.", "Goodbye!", "Bye-bye", "good-bye then", "BYE", "那我先走了，再见。", "拜拜啦"]:
+        assert said_goodbye(text), text
+    for text in ["I'll stand by you", "byelaws", "maybe", "goodbyes are hard", "好吧"]:
+        assert not said_goodbye(text), text
 
 
 # ---------------------------------------------------------------- rule backend
@@ -288,7 +297,7 @@ def test_loader_missing_file():
 
 
 def test_demo_prints_emotion_trace():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "simulator.py"), "--demo"],
+    out = subprocess.run([sys.executable, "-m", "plumbing.demo"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "emotion" in out.stdout and "outcome:" in out.stdout and "->" in out.stdout
@@ -330,7 +339,7 @@ def test_challenging_prompts_forbid_revealing_the_goal_and_have_no_change_range(
 
 
 def play_scripted(user, scenarios, initial_emotion=None):
-    from simulator import DEMO_REPLIES
+    from plumbing.demo import DEMO_REPLIES
     sim = Simulator(RuleBackend(seed=0), initial_emotion=initial_emotion, max_turns=len(DEMO_REPLIES), user=user)
     finals = []
     for s in scenarios:
@@ -382,7 +391,92 @@ def test_challenging_rule_user_never_hints_at_its_goal():
 
 
 def test_demo_with_the_challenging_user():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "simulator.py"), "--demo", "--user", "challenging"],
+    out = subprocess.run([sys.executable, "-m", "plumbing.demo", "--user", "challenging"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "challenging user" in out.stdout and "[emotion 30]" in out.stdout
+
+
+def test_the_demo_plays_the_rules_it_is_given(capsys):
+    """`python -m plumbing.demo --rules rlver` took the flag and played SAGE's rules."""
+    from plumbing.demo import main as demo
+    demo(["--rules", "rlver", "--simulator-concurrency", "2"])
+    assert "standard user, rlver rules" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- issue 29: the sources' rules
+class Appraiser:
+    """A user whose every appraisal is the same change and whose lines are scripted (the rule
+    user's interface: appraise / respond / opening)."""
+
+    def __init__(self, change, lines=("I see.",)):
+        self.change, self.lines = change, list(lines)
+
+    def appraise(self, state, reply):
+        return self.change, f"change {self.change}"
+
+    def respond(self, state, final):
+        return self.lines[(state.turn - 1) % len(self.lines)]
+
+    def opening(self, sc):
+        return "hi"
+
+
+def play(sim, n=20):
+    st = sim.reset(sc())
+    while not st.done and st.turn < n:
+        st = sim.step(st, "hello")
+    return st
+
+
+def test_sage_rules_end_at_100_below_10_a_goodbye_or_the_turn_limit():
+    assert (play(Simulator(Appraiser(+10), initial_emotion=80)).outcome, play(Simulator(Appraiser(+10),
+            initial_emotion=80)).turn) == ("success", 2)
+    st = play(Simulator(Appraiser(-10), initial_emotion=25))
+    assert (st.outcome, st.emotion, st.turn) == ("failure", 5, 2)
+    st = play(Simulator(Appraiser(0, ["fine", "ok then, goodbye"]), initial_emotion=50))
+    assert (st.outcome, st.turn) == ("goodbye", 2)
+    st = play(Simulator(Appraiser(0), initial_emotion=50, max_turns=9))
+    assert (st.outcome, st.turn) == ("max_turns", 9)
+
+
+def test_rlver_rules_no_end_at_100_capped_no_floor_end_at_or_below_0():
+    """The official code: emotion capped at 100 with no end there, no floor, an end at <= 0."""
+    st = play(Simulator(Appraiser(+10), initial_emotion=80, max_turns=9, rules="rlver"))
+    assert (st.outcome, st.emotion, st.turn) == ("max_turns", 100, 9)
+    st = play(Simulator(Appraiser(-10), initial_emotion=25, rules="rlver"))
+    assert (st.outcome, st.emotion, [t["emotion_after"] for t in st.trace]) == ("failure", -5, [15, 5, -5])
+    st = play(Simulator(Appraiser(-1), initial_emotion=9, max_turns=3, rules="rlver"))
+    assert (st.outcome, st.emotion) == ("max_turns", 6)  # below 10 is no end here
+    st = play(Simulator(Appraiser(0, ["拜拜"]), initial_emotion=50, rules="rlver"))
+    assert st.outcome == "goodbye"  # a goodbye word (any language's) in the user's answer
+    from reward import emotion_reward
+    assert emotion_reward(st.__class__(scenario=st.scenario, emotion=-5)) == 0.0  # max(e, 0) / 100
+
+
+def test_the_llm_user_answers_from_its_appraisal_and_state_label_not_the_number():
+    """SAGE writes the user's answer from the appraisal's own text and the state label
+    (S/A/B/C/F); ours passed the number and a 20-point band."""
+    from simulator import emotion_state
+    assert [emotion_state(e) for e in (100, 99, 70, 69, 40, 39, 10, 9, 0)] == list("SAAB" "BCCFF")
+    backend = Scripted([A(+5, "objective: it named my worry; subjective: I feel heard"), R("yes")])
+    sim = Simulator(backend, initial_emotion=37)
+    st = sim.step(sim.reset(sc()), "That sounds scary.")
+    system, ask = backend.calls[1][0]["content"], backend.calls[1][1]["content"]
+    assert "objective: it named my worry; subjective: I feel heard" in ask and "state now: B" in ask
+    assert "42" not in system + ask and st.emotion == 42
+
+
+def test_the_rule_user_does_not_reward_a_stock_line_said_again():
+    """Issue 24: a policy trained against the rule user learned to open every turn with the same
+    validation ("It's completely understandable that..."), which the rule user scored as new each
+    time. The echo feature (the share of a reply's content words the agent already used in this
+    dialogue) makes a repeated line cost, as a repetitive reply does for the LLM user."""
+    line = "It's completely understandable that you feel hurt. That sounds really painful."
+    f = RuleBackend().features
+    assert f(line, "", "empathy")["echo"] == 0.0 and f(line, "", "empathy", earlier=line)["echo"] == 1.0
+    fresh = "What happened when your manager said that? Tell me more about that meeting."
+    assert f(fresh, "", "empathy", earlier=line)["echo"] == 0.0
+    sim = Simulator(RuleBackend(), initial_emotion=40, max_turns=2)
+    same = sim.step(sim.step(sim.reset(sc(goal_type="empathy")), line), line)
+    assert same.trace[1]["change"] < same.trace[0]["change"] and "echo -3.00" in same.trace[1]["reasoning"]

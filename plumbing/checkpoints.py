@@ -1,0 +1,223 @@
+"""plumbing/checkpoints.py - checkpoints, the final model and --resume (a reader may skip it).
+
+Everything a later command reads is written to a temporary path beside its place and renamed
+onto it when complete (`written_atomically`), so a crash or a kill mid-write never leaves a
+checkpoint, a final model or a log that looks complete but is not.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shlex
+import shutil
+
+import torch
+from accelerate.utils import broadcast_object_list
+
+from update import all_sum
+
+log = logging.getLogger("train")
+
+
+class SaveError(OSError):
+    """Writing a checkpoint, the final model, a log or a transcript failed (a full disk, ...).
+    Nothing half-written is left where a later command would read it. `elsewhere`: this
+    process wrote its part; another process's write failed (that one says why)."""
+    elsewhere = False
+
+
+class _FailedElsewhere(OSError):
+    pass
+
+
+@contextlib.contextmanager
+def written_atomically(path: str, owner: bool = True, unique: bool = False):
+    """Yield a temporary path beside `path` (a file or a folder to write); when the block ends
+    without an error, rename it onto `path` (atomic on one file system; a folder replaces the
+    old one whole), else remove it and raise SaveError. owner=False: only write into it
+    (another process of a launch owns the rename). unique: several processes may write the same
+    thing at once, each into its own temporary path; the first rename wins, a later one fails.
+
+    A full disk shows as OSError, torch.save's RuntimeError or safetensors' own error,
+    depending on the writer: all are a SaveError here."""
+    name = f".tmp-{os.getpid()}-" if unique else ".tmp-"
+    tmp = os.path.join(os.path.dirname(path) or ".", name + os.path.basename(path))
+    if owner:
+        _remove(tmp)
+    try:
+        yield tmp
+        if owner:
+            if os.path.isdir(tmp) and not unique:
+                _remove(path)
+            os.replace(tmp, path)
+    except Exception as e:
+        error = SaveError(f"could not write {path}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}")
+        error.elsewhere = isinstance(e, _FailedElsewhere)
+        raise error from e
+    finally:
+        if owner:
+            _remove(tmp)
+
+
+def append_line(path: str, line: str):
+    """Append one line (a JSONL row) in one write. A failure (a full disk) is a SaveError; a line
+    it cut short is dropped by the next reader (truncate_logs, evaluate.resume_transcripts)."""
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    except OSError as e:
+        raise SaveError(f"could not write {path}: {e.strerror or e}") from e
+
+
+def resume_hint(cfg, argv: list[str]) -> str:
+    """What an interrupted or failed run kept and the command that continues it (one line):
+    this run's flags less any --resume (and its value), quoted for the shell, under the launcher
+    that started it."""
+    done = saved_checkpoints(cfg)
+    kept = "no checkpoint yet"
+    if done:
+        kept = f"the last checkpoint is {os.path.join(ckpt_dir(cfg), done[-1])} (after step {int(done[-1][5:])})"
+    args, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = True  # its value is the next word
+        elif not a.startswith("--resume="):
+            args.append(a)
+    launcher = ["accelerate", "launch"] if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ["python"]
+    command = shlex.join([*launcher, "train.py", *args, "--resume", "auto"])
+    return f"{kept}; continue with: {command} (steps after the checkpoint are done again)"
+
+
+def _remove(path: str):
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def ckpt_dir(cfg):
+    return os.path.join(cfg.output_dir, "checkpoints")
+
+
+def saved_checkpoints(cfg) -> list[str]:
+    """The finished checkpoints' folder names (step_NNNNNN), oldest first."""
+    root = ckpt_dir(cfg)
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root) if d.startswith("step_"))
+
+
+def save_checkpoint(accelerator, cfg, step):
+    """Models, optimizers, schedulers and every process's RNG state (accelerate's save_state),
+    and trainer_state.json (the step and the run's config), as checkpoints/step_NNNNNN."""
+    root = ckpt_dir(cfg)
+    with written_atomically(os.path.join(root, f"step_{step:06d}"), owner=accelerator.is_main_process) as tmp:
+        accelerator.wait_for_everyone()  # the main process has removed a stale temporary folder
+        error = None
+        try:
+            accelerator.save_state(tmp)
+        except Exception as e:  # e.g. this process's disk is full
+            error = e
+        # Every process writes its own files (RNG state, FSDP shards): all must have finished,
+        # and all succeeded, before the main process publishes the folder by renaming it. A
+        # process that failed says so here; raising at once would leave the others waiting in
+        # the next collective for good.
+        failed = all_sum(torch.tensor(float(error is not None), device=accelerator.device), accelerator).item()
+        if error is not None:
+            raise error
+        if failed:
+            raise _FailedElsewhere(f"{int(failed)} other process(es) could not write their part")
+        if accelerator.is_main_process:
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"step": step, "config": dataclasses.asdict(cfg)}, f, indent=1)
+    if accelerator.is_main_process:
+        for old in saved_checkpoints(cfg)[:-cfg.keep_last]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def save_final(accelerator, policy, tok, path):
+    """The policy in plain Hugging Face format (evaluate.py and transformers load it). Under
+    FSDP the full state dict is gathered to the main process, which writes it."""
+    accelerator.wait_for_everyone()
+    state = accelerator.get_state_dict(policy)
+    if accelerator.is_main_process:
+        with written_atomically(path) as tmp:  # a crash mid-save leaves the old final/ or none
+            accelerator.unwrap_model(policy).save_pretrained(tmp, state_dict=state)
+            tok.save_pretrained(tmp)
+    accelerator.wait_for_everyone()
+
+
+def checkpoint_state(path: str) -> dict:
+    """A checkpoint's trainer_state.json: {"step": the step to resume at, "config": the run's}."""
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        state = json.load(f)
+    if not isinstance(state.get("step"), int):
+        raise TypeError(f"{path}: trainer_state.json's step is not an integer: {state.get('step')!r:.40}")
+    return state
+
+
+def checkpoint_step(path: str) -> int:
+    """The step a checkpoint was saved after: the step to resume at."""
+    return checkpoint_state(path)["step"]
+
+
+def find_resume(cfg):
+    if cfg.resume != "auto":
+        return cfg.resume or None
+    done = saved_checkpoints(cfg)
+    if not done:
+        return None
+    return os.path.join(ckpt_dir(cfg), done[-1])
+
+
+def resume_if_asked(accelerator, cfg) -> int:
+    """--resume: restore models, optimizers, schedulers and RNG states -> the step to start at
+    (0 for a fresh run). Log rows and checkpoints of the steps after it are dropped (redone now):
+    a fresh run in a folder that holds an earlier run's checkpoints must not keep them (its own
+    step 10 would be pruned as the oldest, and a later --resume auto would load the old run's)."""
+    resume = find_resume(cfg)
+    if accelerator.num_processes > 1:  # the main process decides (file systems may lag)
+        resume = broadcast_object_list([resume])[0]
+    start = 0
+    if resume:
+        accelerator.load_state(resume)
+        start = checkpoint_step(resume)
+        if accelerator.is_main_process:
+            log.info("resumed from %s at step %d", resume, start)
+    if accelerator.is_main_process:
+        truncate_logs(cfg.output_dir, start)
+        later = [d for d in saved_checkpoints(cfg) if int(d[5:]) > start]
+        if later:
+            log.warning("%s: removing the checkpoints after step %d (%s), an earlier run's: this run redoes "
+                        "those steps", ckpt_dir(cfg), start, ", ".join(later))
+            for d in later:
+                shutil.rmtree(os.path.join(ckpt_dir(cfg), d), ignore_errors=True)
+    return start
+
+
+def truncate_logs(output_dir: str, step: int):
+    """Keep only the rows of metrics.jsonl and samples.jsonl for steps < `step`: a resumed run
+    redoes the later steps (step 0: a fresh run starts both empty). A row that does not parse,
+    i.e. the last line cut by a kill, is dropped. Written to a temporary file and renamed, so a
+    kill during this rewrite leaves the old file or the new one, never half of one."""
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = os.path.join(output_dir, name)
+        if not os.path.exists(path):
+            continue
+        keep = []
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+                    keep.append(line.rstrip(b"\n") + b"\n")
+        with written_atomically(path) as tmp, open(tmp, "wb") as f:
+            f.writelines(keep)

