@@ -62,7 +62,7 @@ class RunArgs:
     """train.py's own flags (the rest are declared where they are used, see Config)."""
     algo: Literal["grpo", "ppo"] = field(default="grpo", metadata={"help": "grpo | ppo"})
     preset: Literal["tiny", "smollm2-cpu", "paper", "none"] = field(default="tiny", metadata={
-        "help": "tiny: offline CPU demo (30 s); smollm2-cpu: a real chat model that learns on 2 CPU cores "
+        "help": "tiny: offline CPU demo (40 s); smollm2-cpu: a real chat model that learns on 2 CPU cores "
                 "(README); paper: the paper's setup; none: the defaults below"})
     think: bool = field(default=False, metadata={
         "help": "think-then-say scaffold (<think>..</think> reply); with --format-rule paper a broken format "
@@ -121,7 +121,7 @@ class Config(PPOConfig, GRPOConfig, RolloutConfig, EngineArgs, SimulatorArgs, Ru
 PRESETS = {
     "tiny": {},  # the dataclass defaults: sized for a 2-core CPU, no think (add --think)
     # SmolLM2-135M-Instruct against the offline rule user, sized for 45 minutes on 2 CPU cores
-    # (README, "A real chat model learns on a CPU": why each value).
+    # (README, "The proof that it learns": why each value).
     "smollm2-cpu": dict(model="smollm2", steps=32, batch_size=4, max_turns=3, max_new_tokens=40, actor_lr=3e-4,
                         actor_warmup_ratio=0.1, critic_lr=1e-4, minibatch_size=2, save_every=8),
     "paper": dict(model="Qwen/Qwen2.5-7B-Instruct", think=True, simulator="openai", steps=1000, batch_size=32,
