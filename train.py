@@ -122,8 +122,8 @@ PRESETS = {
     "tiny": {},  # the dataclass defaults: sized for a 2-core CPU, no think (add --think)
     # SmolLM2-135M-Instruct against the offline rule user, sized for 45 minutes on 2 CPU cores
     # (README, "The proof that it learns": why each value).
-    "smollm2-cpu": dict(model="smollm2", steps=32, batch_size=4, max_turns=3, max_new_tokens=40, actor_lr=3e-4,
-                        actor_warmup_ratio=0.1, critic_lr=1e-4, minibatch_size=2, save_every=8),
+    "smollm2-cpu": dict(model="smollm2", steps=32, batch_size=4, max_turns=3, max_new_tokens=40, actor_lr=1e-4,
+                        actor_warmup_ratio=0.1, critic_lr=1e-4, save_every=8),
     "paper": dict(model="Qwen/Qwen2.5-7B-Instruct", think=True, simulator="openai", steps=1000, batch_size=32,
                   max_new_tokens=512, max_total_tokens=8192, actor_lr=1e-6, critic_lr=5e-6, actor_warmup_ratio=0.02,
                   critic_warmup_ratio=0.05, entropy_coef=1e-3, micro_batch_size=2, gradient_checkpointing=True,
@@ -132,7 +132,7 @@ PRESETS = {
 }
 ALGO_DEFAULTS = {"grpo": {"group_size": 4}, "ppo": {"group_size": 1}}
 # PPO has no group: more scenarios per step for the same work.
-PRESET_PPO = {"tiny": {"batch_size": 16}, "smollm2-cpu": {"batch_size": 16, "minibatch_size": 8}}
+PRESET_PPO = {"tiny": {"batch_size": 16}, "smollm2-cpu": {"batch_size": 16}}
 
 
 # ============================================================================================

@@ -233,7 +233,7 @@ def test_the_smollm2_cpu_preset_starts_trains_and_saves(tmp_path):
     flags = ["--preset", "smollm2-cpu", "--steps", "2", "--batch-size", "1", "--max-turns", "1", "--max-new-tokens",
              "4", "--save-every", "1", "--report-to", "none", "--output-dir", str(tmp_path)]
     cfg = parse_args(flags)
-    assert (cfg.model, cfg.group_size, cfg.temperature, cfg.actor_lr, cfg.minibatch_size) == ("smollm2", 4, 1.0, 3e-4, 2)
+    assert (cfg.model, cfg.group_size, cfg.temperature, cfg.actor_lr, cfg.minibatch_size) == ("smollm2", 4, 1.0, 1e-4, 32)
     assert main(flags) == 0
     m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if line.strip()]
     assert [r["step"] for r in m] == [0, 1] and all(r["optimizer_steps"] == 1 for r in m)
