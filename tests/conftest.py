@@ -17,3 +17,12 @@ def bad_json_files(tmp_path) -> dict:
                        + '{"id": "caf\u00e9"}\n'.encode("latin-1"))
     deep.write_text("[" * 200_000 + "]" * 200_000 + "\n")
     return {"LATIN1": latin1, "DEEP": deep}
+
+
+def interruptible():
+    """For subprocess.Popen(preexec_fn=...): the child takes Ctrl-C as a terminal would deliver
+    it. A shell that starts a job in the background (`cmd &`, nohup, some CI runners) sets SIGINT
+    to "ignore", children inherit that, and Python then installs no KeyboardInterrupt handler:
+    the SIGINT a test sends would do nothing."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -566,12 +566,12 @@ def test_ctrl_c_is_one_line_saying_what_was_saved(tmp_path):
     import subprocess
     import sys
     import time
-    from conftest import ROOT
+    from conftest import ROOT, interruptible
     with FakeOpenAIServer(latency=0.3) as srv:
         p = subprocess.Popen([sys.executable, os.path.join(ROOT, "evaluate.py"), *SMALL, "--batch-size", "1",
                               "--limit", "20", *OPENAI, "--simulator-base-url", srv.base_url,
                               "--output-dir", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
         path, deadline = tmp_path / "tiny" / "transcripts.jsonl", time.time() + 300
         while not (path.exists() and path.read_text().count("\n") >= 1):
             assert p.poll() is None and time.time() < deadline

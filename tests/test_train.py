@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, bad_json_files
+from conftest import ROOT, bad_json_files, interruptible
 from plumbing.checks import InputError
 from train import main, parse_args, train
 
@@ -436,7 +436,7 @@ def test_ctrl_c_is_one_line_saying_what_was_kept_and_how_to_continue(tmp_path):
     """Item 8: SIGINT ended train.py in a 37-frame traceback."""
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *TINY, "--steps", "50",
                           "--output-dir", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+                         text=True, preexec_fn=interruptible)
     ck = tmp_path / "checkpoints"
     deadline = time.time() + 300
     while not (ck.is_dir() and any(d.startswith("step_") for d in os.listdir(ck))):
