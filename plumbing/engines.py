@@ -102,7 +102,12 @@ class VLLMEngine:
         if self.cuda:
             kw.update(gpu_memory_utilization=args.vllm_gpu_memory, enable_sleep_mode=True)
         else:
-            kw.update(kv_cache_memory_bytes=int(args.vllm_kv_cache_gb * 2 ** 30))
+            # No chunked prefill on CPU: a prompt split across engine steps makes its seeded
+            # sampler rewind its generator (set_offset), which a CPU generator cannot ("CPU
+            # Generator does not use offset", seen with 64 dialogues at once). Whole prompts
+            # only, so one step must fit the longest.
+            kw.update(kv_cache_memory_bytes=int(args.vllm_kv_cache_gb * 2 ** 30), enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(self.max_len, 4096))
         try:
             self.llm = LLM(**kw)
         except BaseException as e:

