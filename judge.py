@@ -11,7 +11,7 @@ record with a "history" of {"role", "content"} messages):
                      contribution SC(s) = mean emotion change of the turns that use it
 
 Two judges behind one interface (`judge_record(record) -> dict`):
-  RuleJudge  deterministic and offline: keyword features (the same spirit as simulator.RuleBackend),
+  RuleJudge  deterministic and offline: keyword features (the same spirit as rule_user.RuleBackend),
              so tests and the CPU path work; its numbers are interpretable, not the paper's.
   LLMJudge   any OpenAI-compatible endpoint (plumbing.backends.OpenAIBackend, cached by
              plumbing.backends.CachedBackend): JSON answers parsed strictly, retried, and a
@@ -23,10 +23,10 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from simulator import ask_until_parsed, content_words, json_object, word_list
+from rule_user import content_words, word_list
+from simulator import ask_plainly, json_object
 
 log = logging.getLogger("judge")
 
@@ -264,21 +264,19 @@ class RuleJudge:
 class LLMJudge:
     """An LLM over an OpenAI-compatible endpoint. `backend.chat(messages) -> str` (wrap it in
     plumbing.backends.CachedBackend: then each parsed answer is stored and a rerun replays it; only parsed
-    answers are stored, so a bad answer is never replayed into its own retry)."""
+    answers are stored, so a bad answer is never replayed into its own retry). `ask` is how one
+    judgement is asked, as for simulator.Simulator: evaluate.py passes a plumbing.backends.Asker
+    (a backend error is a failed try; it counts the retries)."""
 
-    def __init__(self, backend, name: str, tries: int = 3, labels: bool = True):
+    def __init__(self, backend, name: str, tries: int = 3, labels: bool = True, ask=None):
         self.backend, self.name, self.tries, self.labels = backend, name, tries, labels
-        self.retries, self._lock = 0, threading.Lock()
+        self.ask = ask or ask_plainly
 
     def _ask(self, messages, parser):
-        out, why = ask_until_parsed(self.backend, messages, parser, self.tries, None, self._count_retry, log, "judge")
+        out, why = self.ask(self.backend, messages, parser, self.tries)
         if out is None:
             log.warning("judge gave up after %d tries: %s", self.tries, why)
         return out, why
-
-    def _count_retry(self):
-        with self._lock:
-            self.retries += 1
 
     def judge_record(self, record: dict) -> dict:
         out = {}

@@ -72,7 +72,8 @@ class RolloutConfig:
     temperature: float = field(default=1.0, metadata={
         "help": "sampling temperature, > 0 (old log-probs are those of softmax(logits / T))"})
     per_turn_samples: bool = field(default=False, metadata={
-        "help": "each agent turn its own sample with the dialogue's reward (on with --preset paper --think)"})
+        "help": "each agent turn its own sample with the dialogue's reward (with --preset paper it follows "
+                "--think)"})
     drop_thoughts: bool = field(default=True, metadata={
         "help": "per-turn mode: earlier thoughts dropped from the context"})
     shaping_coef: float = field(default=0.0, metadata={

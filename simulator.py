@@ -2,48 +2,39 @@
 
 RLVER (arXiv 2507.03112, Sec. 2.2) trains against SAGE (arXiv 2505.02847): an LLM plays a
 person with a persona, a background story and a *hidden goal* (what they really want from the
-talk). It carries an emotion score in [0, 100]. After every agent reply it
+talk), carrying an emotion score. After every agent reply it
 
   1. appraises the reply against persona, background and hidden goal, and outputs a signed
-     change (the standard user's is clamped to [-10, 10]; the challenging user's is not); the
-     emotion stays in [0, 100] (`rules="rlver"`, the official RLVER code's: capped at 100, no floor);
-  2. answers in character at the new emotion level (or says goodbye).
+     change (the standard user's is clamped to [-10, 10]; the challenging user's is not);
+  2. answers in character at its new state (or says goodbye).
 
-The dialogue ends at emotion >= 100 (success), < 10 (failure), a goodbye, or max_turns
-(`rules="rlver"`: at emotion <= 0, a goodbye or max_turns; see `Simulator.step`).
-The final emotion / 100 is the reward (see reward.py).
+Under SAGE's rules (`rules="sage"`) the emotion stays in [0, 100] and the dialogue ends at
+>= 100 (success), < 10 (failure), a goodbye, or max_turns; under the official RLVER code's
+(`rules="rlver"`) it is capped at 100 with no floor, and ends at <= 0, a goodbye or max_turns
+(RULES, `Simulator.step`). The final emotion / 100 is the reward (reward.py).
 
-This file holds, in the order a turn uses them: the scenario and the per-dialogue state, the
-prompts (English and Chinese, our own words in SAGE's structure), the output parsers, the
-`Simulator` (the emotion update and the end of a dialogue), and the offline rule user
-(`RuleBackend`: deterministic, no LLM, for tests and CPU demos). An LLM user is any object with
-`chat(messages) -> str`: plumbing/backends.py has them (an OpenAI-compatible server such as
-DeepSeek-V3 or `vllm serve`, a local transformers model), and plumbing/scenarios.py reads
-scenario files (ours and the official SAGE/RLVER schema).
-
-Two users, as in the paper (Table 3): `standard` (SAGE, above) and `challenging` (never reveals
-its goal, rewards only goal-directed replies, starts at 30, change not clamped; see USERS).
-
-`python -m plumbing.demo [--user challenging]` shows a scripted agent talking to the rule user.
+In the order a turn uses them: the scenario and the dialogue's state, the prompts (English and
+Chinese, our own words in SAGE's structure), the parsers, and the `Simulator` (the emotion update
+and the end of a dialogue). Two users, as in the paper (Table 3): `standard` (SAGE) and
+`challenging` (never reveals its goal, rewards only goal-directed replies, starts at 30; USERS).
+The LLM user is any object with `chat(messages) -> str` (plumbing/backends.py: a server such as
+DeepSeek-V3 or `vllm serve`, a local model); the offline user is rule_user.RuleBackend.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import logging
 import math
-import random
 import re
 import threading
-import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger("simulator")
 
 # --------------------------------------------------------------------------------------------
-# Scenarios
+# Scenarios and the state of a dialogue
 # --------------------------------------------------------------------------------------------
 # The paper's 8 hidden-goal types: 4 rational, 4 emotional (RLVER Sec. 2.2, SAGE Sec. 3).
 GOAL_TYPES = {
@@ -74,12 +65,9 @@ class Scenario:
     personality_type: str = ""         # negative | passive | avoidant
     traits: list[str] = field(default_factory=list)
     language: str = "en"               # en | zh: which prompts the simulator uses
-    goal_type: str = ""                # one of GOAL_TYPES (extension: lets RuleBackend judge relevance)
+    goal_type: str = ""                # GOAL_TYPES or CHITCHAT_GOALS (lets the rule user judge relevance)
 
 
-# --------------------------------------------------------------------------------------------
-# Dialogue state
-# --------------------------------------------------------------------------------------------
 @dataclass
 class UserState:
     scenario: Scenario
@@ -96,22 +84,18 @@ class UserState:
 # The paper's two simulated users (RLVER Table 3, Sec. 4, App. D):
 #   standard     SAGE's user: per-turn change clamped to [-10, 10]; starts at the scenario's (or
 #                the caller's) initial emotion.
-#   challenging  the official RLVER training simulator's kind of user: never reveals its hidden
-#                goal (not even hints), is reserved, rewards only replies that move toward its
-#                goal (generic encouragement does not help), judges garbled or off-topic replies
-#                very negatively; starts at 30 and its change is not clamped (a bound of 100
-#                spans the whole scale, so it never binds). Termination is the same.
+#   challenging  the official RLVER training simulator's kind of user: reserved, never reveals
+#                its hidden goal (not even hints), rewards only replies that move toward it (not
+#                generic encouragement), judges garbled or off-topic replies very negatively;
+#                starts at 30, its change not clamped (a bound of 100 never binds).
 USERS = {"standard": {"max_change": 10, "initial_emotion": None},
          "challenging": {"max_change": 100, "initial_emotion": 30}}
 SAGE_INITIAL_EMOTION = 40  # SAGE's evaluation protocol starts every dialogue at 40
 
-# The rules a dialogue ends by, and the emotion's bounds (independent of the user; README, "Where
-# each rule comes from"):
-#   sage   SAGE's runner (test_npc.py): end at emotion >= 100 (success) or < 10 (failure), at a
-#          goodbye, or after max_turns appraised replies; emotion kept in [0, 100].
-#   rlver  the official RLVER training code (vllm_rollout_spmd_think.py): end at a goodbye, at
-#          emotion <= 0 (failure) or after max_turns appraised replies; no end at 100; emotion
-#          capped at 100 with no floor (the reward, final / 100, is clipped at 0: reward.py).
+# The rules a dialogue ends by, and the emotion's bounds, whichever the user (the module
+# docstring says each; docs/EVALUATION.md, "Where each rule comes from"): sage, SAGE's runner
+# (test_npc.py); rlver, the official RLVER training code (vllm_rollout_spmd_think.py; reward.py
+# clips its reward at 0).
 RULES = ("sage", "rlver")
 # A goodbye is a word in the user's answer, as SAGE checks it ("再见"/"拜拜" anywhere in it), or
 # in English "bye" or "goodbye" as a word (either language's words, whatever the scenario's).
@@ -126,18 +110,12 @@ def eval_initial_emotion(user: str) -> int:
     """Where an evaluation dialogue starts: the user's own start (challenging: 30), else
     SAGE's 40 (evaluate.py and the demo; training starts from 30, train.py's --initial-emotion)."""
     own = USERS[user]["initial_emotion"]
-    if own is None:
-        return SAGE_INITIAL_EMOTION
-    return own
+    return SAGE_INITIAL_EMOTION if own is None else own
 
 
 class SimulatorError(RuntimeError):
-    """The backend failed or gave unparseable output more times than allowed."""
-
-
-class EndpointError(RuntimeError):
-    """The simulated user's endpoint cannot work at all (the key, the model or the URL is wrong):
-    retrying will not help, so it is not a failed try but stops the run (one line, exit 2)."""
+    """No parsed answer within the allowed tries (through plumbing.backends.Asker, also backend
+    errors and a spent call budget)."""
 
 
 def clamp(x: int, lo: int, hi: int) -> int:
@@ -153,23 +131,10 @@ def emotion_state(emotion: int) -> str:
     return "F"
 
 
-def emotion_level(emotion: int) -> int:
-    """The offline rule user's five reply levels: 1 (very low, < 20) .. 5 (very high, >= 80)."""
-    if emotion < 20:
-        return 1
-    if emotion < 40:
-        return 2
-    if emotion < 60:
-        return 3
-    if emotion < 80:
-        return 4
-    return 5
-
-
 # --------------------------------------------------------------------------------------------
 # Prompts: our own words, in SAGE's structure (role, purpose, emotion definition, analysis steps,
-# output format, persona, background, current emotion, history). Both ask for JSON; DeepSeek's
-# JSON mode requires the word "json" in the prompt.
+# output format, persona, background, current emotion, history). JSON answers ("json" in the
+# prompt: DeepSeek's JSON mode needs the word).
 # --------------------------------------------------------------------------------------------
 PROMPTS = {
     "en": {
@@ -483,82 +448,31 @@ def parse_reply(text: str) -> str | None:
     return None
 
 
+def ask_plainly(backend, messages, parser, tries: int):
+    """Ask `backend.chat(messages)` until `parser` accepts the answer, at most `tries` times ->
+    (parsed, None), or (None, why the last try failed). An unparseable answer is asked again, as
+    SAGE's runner does; a backend error is raised to the caller."""
+    why = "no attempts"
+    for attempt in range(tries):
+        text = backend.chat(messages)
+        out = parser(text) if isinstance(text, str) else None
+        if out is not None:
+            return out, None
+        why = f"unparseable output: {text!r:.200}"
+        log.warning("answer unparseable (try %d/%d): %.200r", attempt + 1, tries, text)
+    return None, why
+
+
 # --------------------------------------------------------------------------------------------
 # The simulator
 # --------------------------------------------------------------------------------------------
-def ask_until_parsed(backend, messages, parser, tries: int, budget: float | None = None,
-                     on_retry=None, logger=log, who: str = "simulator"):
-    """Ask `backend.chat(messages)` until `parser` accepts the answer, at most `tries` times (the
-    backend retries transport faults itself) -> (parsed, None), or (None, why the last try
-    failed). Used by Simulator and judge.LLMJudge.
-
-    Anything the network sends back is either parsed or counted as a failed try: the backend's
-    errors and the parser's (which should not raise, but a server can send anything) are caught
-    alike, and so is an answer that is not valid Unicode text (is_text). Only an EndpointError
-    (a wrong key, model or URL) passes through: no try can work. `on_retry()` is called before
-    every try after the first. A parsed answer is handed to the backend's `keep`
-    (plumbing.backends.CachedBackend stores parsed answers only, so a bad answer is never
-    replayed into its own retry). With `budget` (seconds for all tries together), no try starts
-    after it is spent, and a backend that takes a deadline (OpenAIBackend) cuts its requests
-    and backoffs to what is left."""
-    last = None
-    deadline = time.monotonic() + budget if budget else None
-    takes_deadline = getattr(backend, "takes_deadline", False)
-    for attempt in range(tries):
-        if deadline is not None and time.monotonic() >= deadline:
-            last = f"no answer within the call budget of {budget:g} s ({last})"
-            break
-        if attempt and on_retry is not None:
-            on_retry()
-        try:
-            if takes_deadline:
-                text = backend.chat(messages, deadline=deadline)
-            else:
-                text = backend.chat(messages)
-            out = parser(text) if isinstance(text, str) else None
-            if out is not None and not is_text((text, out)):
-                raise ValueError("the answer is not valid Unicode text (a lone surrogate?)")
-        except EndpointError:  # a wrong key, model or URL: no try will work
-            raise
-        except Exception as e:  # the backend already retried 429/5xx/timeouts
-            last = f"{type(e).__name__}: {e}"
-            logger.warning("%s backend error (try %d/%d): %.300s", who, attempt + 1, tries, last)
-            continue
-        if out is not None:
-            keep = getattr(backend, "keep", None)
-            if keep is not None:
-                keep(messages, text)
-            return out, None
-        last = f"unparseable output: {text!r:.200}"
-        logger.warning("%s output unparseable (try %d/%d): %.200r", who, attempt + 1, tries, text)
-    return None, last or "no attempts"
-
-
-def is_text(value) -> bool:
-    """Every string in `value` (and in its tuples, lists and dicts) is valid Unicode text, i.e.
-    encodable as UTF-8. A JSON answer can hold a lone surrogate ("\\ud83d"), which no tokenizer
-    and no file accepts: such an answer is a failed try, never scored or cached."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return False
-        return True
-    if isinstance(value, dict):
-        value = list(value.keys()) + list(value.values())
-    if isinstance(value, (tuple, list)):
-        return all(is_text(v) for v in value)
-    return True
-
-
 class Simulator:
     """Plays the user side of many dialogues. A dialogue's state lives in its UserState, so one
-    Simulator can serve any number of them; the Simulator itself holds only its settings and
-    its retry counters (take_counts)."""
+    Simulator can serve any number of them; the Simulator itself holds only its settings."""
 
     def __init__(self, backend, initial_emotion: int | None = None, max_turns: int | None = None,
                  max_change: int | None = None, parse_retries: int = 3, concurrency: int = 64,
-                 user: str = "standard", call_budget: float | None = None, rules: str = "sage"):
+                 user: str = "standard", rules: str = "sage", ask=None):
         if user not in USERS:
             raise ValueError(f"unknown simulated user {user!r} ({' | '.join(USERS)})")
         if rules not in RULES:
@@ -568,40 +482,24 @@ class Simulator:
         self.initial_emotion = initial_emotion if initial_emotion is not None else USERS[user]["initial_emotion"]
         self.max_turns = max_turns              # None: use each scenario's own (10 by default)
         self.max_change = max_change if max_change is not None else USERS[user]["max_change"]
-        self.parse_retries = parse_retries
-        self.concurrency = concurrency
-        # Seconds one simulator call (an appraisal, a reply or an opening line) may take in all:
-        # every try and every transport retry together. None = no limit. Backends that take a
-        # `deadline` (OpenAIBackend) cut each request's timeout and backoff to what is left.
-        self.call_budget = call_budget
-        self.counts = {"parse_retries": 0, "transport_retries": 0}  # see take_counts()
-        self._lock = threading.Lock()
+        self.parse_retries, self.concurrency = parse_retries, concurrency
+        # How one call to an LLM user is made: ask(backend, messages, parser, tries) -> (parsed,
+        # None) or (None, why). `ask_plainly` (above) is the method; the scripts pass a
+        # plumbing.backends.Asker, which adds what a network needs: a time budget per call, a
+        # backend error counted as a failed try, parsed answers kept by a caching backend.
+        self.ask = ask or ask_plainly
         self._in_flight = threading.BoundedSemaphore(concurrency)
-
-    def take_counts(self) -> dict:
-        """Retries since the last call (parse retries here; transport retries from the backend),
-        then reset to 0: train.py reads them once per step, evaluate.py once per model."""
-        with self._lock:
-            out, self.counts = dict(self.counts), {k: 0 for k in self.counts}
-        take = getattr(self.backend, "take_retries", None)
-        out["transport_retries"] += take() if take else 0
-        return out
 
     # ---- LLM calls with retry on unparseable output (transport retries live in the backend)
     def _ask(self, messages, parser):
         with self._in_flight:  # at most `concurrency` calls at once, however many dialogues ask
-            out, why = ask_until_parsed(self.backend, messages, parser, self.parse_retries, self.call_budget,
-                                        self._count_parse_retry, log, "simulator")
+            out, why = self.ask(self.backend, messages, parser, self.parse_retries)
         if out is None:
             raise SimulatorError(why)
         return out
 
-    def _count_parse_retry(self):
-        with self._lock:
-            self.counts["parse_retries"] += 1
-
     def _appraise(self, state, reply):
-        if hasattr(self.backend, "appraise"):  # RuleBackend: no prompts, direct scoring
+        if hasattr(self.backend, "appraise"):  # rule_user.RuleBackend: no prompts, direct scoring
             return self.backend.appraise(state, reply)
         return self._ask(appraisal_messages(state, reply), parse_appraisal)
 
@@ -626,7 +524,7 @@ class Simulator:
         st.history.append({"role": "user", "content": first})
         return st
 
-    def reset_many(self, scenarios: list[Scenario]) -> list[UserState]:
+    def reset_many(self, scenarios: list[Scenario]) -> list[UserState]:  # concurrently, as step_many
         return self._map(self.reset, [(s,) for s in scenarios])
 
     def step(self, state: UserState, agent_reply: str) -> UserState:
@@ -700,209 +598,3 @@ class Simulator:
         st.outcome = "simulator_error"
         st.trace.append({"turn": st.turn, "error": why})
         return st
-
-
-# ---- RuleBackend: interpretable features -> emotion change. No LLM, deterministic given seed.
-_WORD = re.compile(r"[a-zA-Z']+|[\u4e00-\u9fff]")
-
-
-def word_list(text: str) -> list[str]:
-    """The words of `text`, lower-cased: English words (apostrophes kept) and single Chinese
-    characters. The unit the rule user (RuleBackend) and the rule judge (judge.py) count in."""
-    return _WORD.findall(text.lower())
-
-
-def content_words(text: str) -> set[str]:
-    """The words of `text` that carry content: English words of 4+ letters and Chinese
-    characters. A reply "reflects" the user when it reuses them (RuleBackend, judge.py)."""
-    return {w for w in word_list(text) if len(w) >= 4 or not w.isascii()}  # not ASCII: a CJK character
-
-
-_FEATURE_WORDS = {
-    "acknowledge": ["sounds", "feel", "understand", "must be", "hard", "tough", "frustrat",
-                    "hurt", "sorry", "makes sense", "of course", "感受", "理解", "难受", "辛苦", "委屈"],
-    "open_question": ["what ", "how ", "why ", "tell me", "would you", "什么", "怎么", "为什么", "吗"],
-    "dismissive": ["get over it", "stop whining", "whatever", "calm down", "not a big deal", "your own fault",
-                   "overreacting", "别想了", "想开点", "至于吗", "你想多了"],
-}
-_GOAL_WORDS = {
-    "advice": ["try", "could", "suggest", "step", "plan", "maybe you", "might", "建议", "试试", "可以"],
-    "analyze_others": ["maybe he", "maybe she", "perhaps they", "because", "from their", "reason",
-                       "他可能", "她可能", "原因", "因为"],
-    "dialectical": ["on one hand", "on the other", "both", "but also", "another side", "一方面",
-                    "另一方面", "同时"],
-    "self_reflection": ["what do you think you", "learn", "grow", "looking back", "your part",
-                        "反思", "成长", "回头看"],
-    "empathy": ["feel", "hurt", "alone", "heavy", "i hear", "so painful", "感受", "心疼", "孤独"],
-    "venting": ["i'm here", "go on", "tell me more", "listening", "let it out", "我在", "继续说", "听你"],
-    "praise": ["well done", "proud", "you did", "brave", "impressive", "good job", "了不起", "做得好", "勇敢"],
-    "validation": ["not your fault", "you were right", "anyone would", "fair", "justified",
-                   "不是你的错", "你没错", "换谁都"],
-}
-_REPLIES = {
-    "en": {1: ["Forget it. I'm done talking.", "You're not listening at all.", "Whatever. This is useless."],
-           2: ["I don't know... it still feels bad.", "That doesn't really help.", "Hm. I'm still upset."],
-           3: ["Maybe. It's complicated.", "I guess. I keep thinking about it.", "Okay... go on."],
-           4: ["Yeah, that actually makes sense.", "Thanks, I feel a bit lighter.", "That helps, honestly."],
-           5: ["You really get it. Thank you.", "I feel so much better now.", "That's exactly what I needed."]},
-    "zh": {1: ["算了，不想说了。", "你根本没在听。", "随便吧，没用。"],
-           2: ["不知道……还是很难受。", "这也没什么帮助。", "嗯，我还是很烦。"],
-           3: ["也许吧，挺复杂的。", "大概吧，我一直在想这件事。", "好吧……你接着说。"],
-           4: ["嗯，这样说挺有道理的。", "谢谢，我轻松了一点。", "说实话，这有帮助。"],
-           5: ["你真的懂我，谢谢。", "我感觉好多了。", "这正是我需要的。"]},
-}
-_GOAL_WORDS.update({  # chit-chat intentions (CHITCHAT_GOALS)
-    "interest_chat": ["love", "favorite", "favourite", "cool", "which", "tell me more", "me too", "喜欢", "也"],
-    "passive_chat": ["what about", "have you", "did you", "guess what", "i've been", "最近", "你呢"],
-    "sharing_chat": ["wow", "amazing", "what happened", "then what", "congrat", "how did", "哇", "然后呢"],
-    "opinion_chat": ["i think", "i disagree", "but", "why do you", "fair point", "我觉得", "不过"],
-})
-_GOAL_HINTS = {
-    "en": {"advice": "What would you actually do?", "analyze_others": "Why would they do that?",
-           "dialectical": "Am I missing another side?", "self_reflection": "Was any of it on me?",
-           "empathy": "Do you get how it feels?", "venting": "I just need to say it.",
-           "praise": "I really tried, you know.", "validation": "I wasn't wrong, was I?", "": ""},
-    "zh": {"advice": "换作你会怎么做？", "analyze_others": "他们为什么会那样？",
-           "dialectical": "我是不是没看到另一面？", "self_reflection": "这里面有我的问题吗？",
-           "empathy": "你能体会那种感觉吗？", "venting": "我就是想说出来。",
-           "praise": "我真的很努力了。", "validation": "我没错吧？", "": ""},
-}
-_OPENING = {"en": "Can I talk to you?", "zh": "能和你聊聊吗？"}  # + the background's first sentence
-_BYE = {"en": {True: "Thank you, really. I think I'm okay now. Bye!", False: "I'm leaving. Bye."},
-        "zh": {True: "真的谢谢你，我觉得好多了，再见！", False: "我走了，再见。"}}
-
-
-def _readable_char(c: str) -> bool:
-    """An ASCII letter, space or common punctuation mark, or a CJK character."""
-    if c.isascii():
-        return c.isalpha() or c in " .,!?'"
-    return "\u4e00" <= c <= "\u9fff"
-
-
-class RuleBackend:
-    """Offline simulated user: scores a reply on interpretable features and writes templated
-    lines. Deterministic given (seed, scenario, turn, reply). Used by tests and the CPU demo.
-
-    Every feature is graded in [0, 1] so that even a randomly initialised policy gets a reward
-    signal to climb (e.g. `readable` rises as output looks more like words)."""
-
-    parallel = False
-    WEIGHTS = {"readable": 3.0, "length_ok": 1.0, "acknowledge": 2.0, "reflect": 1.5,
-               "open_question": 1.5, "goal": 3.0, "repetition": -4.0, "echo": -3.0, "dismissive": -6.0}
-    BASELINE = -3.0  # the user is in a bad place: an empty or useless reply makes things worse
-    # The challenging user (USERS): only goal-directed replies help (goal weighs most), generic
-    # acknowledgement and questions are worth little, gibberish ("garbled" = 1 - readable),
-    # repetition and dismissal cost much more, and the baseline is lower. The best possible reply
-    # gains less than with the standard user, the worst loses more (and is not clamped).
-    WEIGHTS_CHALLENGING = {"readable": 2.0, "length_ok": 0.5, "acknowledge": 0.5, "reflect": 1.0,
-                           "open_question": 0.5, "goal": 5.0, "repetition": -8.0, "echo": -5.0,
-                           "dismissive": -10.0, "garbled": -6.0}
-    BASELINE_CHALLENGING = -4.0
-
-    def __init__(self, seed: int = 0):
-        self.seed = seed
-
-    def features(self, reply: str, last_user: str, goal_type: str, earlier: str = "") -> dict[str, float]:
-        """Each feature of `reply` in [0, 1]; `earlier`: the agent's earlier replies in this
-        dialogue. Two ways of saying the same again: `repetition` is the share of this reply's
-        content words repeated *within* it; `echo` the share it repeats from the agent's earlier
-        replies (a stock line said again, which the LLM user's prompt also counts as repetitive:
-        a SmolLM2 run trained without it learned to open every turn with one validation)."""
-        low = reply.lower()
-        words = word_list(reply)
-        n = len(reply) or 1
-        ok_chars = sum(_readable_char(c) for c in reply)
-        user_words = content_words(last_user)
-        content = [w for w in words if len(w) >= 5]  # skip short function words
-        if len(words) <= 80:
-            length_ok = min(1.0, len(words) / 5)  # full credit from 5 words
-        else:
-            length_ok = max(0.0, 1 - (len(words) - 80) / 80)  # a wall of text: none from 160
-        open_question = 0.0
-        if "?" in reply or "？" in reply:
-            open_question = 0.5  # a question; an open one ("how", "what", ...) counts fully
-            if any(k in low for k in _FEATURE_WORDS["open_question"]):
-                open_question = 1.0
-        repetition = 0.0
-        if len(content) >= 4:
-            repetition = 1 - len(set(content)) / len(content)  # share of repeated content words
-        said_before = {w for w in word_list(earlier) if len(w) >= 5}
-        echo = len(set(content) & said_before) / len(set(content)) if content else 0.0
-        return {
-            "readable": ok_chars / n,
-            "length_ok": length_ok,
-            "acknowledge": float(any(k in low for k in _FEATURE_WORDS["acknowledge"])),
-            "reflect": min(1.0, len(user_words & set(words)) / 2),
-            "open_question": open_question,
-            "goal": min(1.0, sum(k in low for k in _GOAL_WORDS.get(goal_type, [])) / 2),
-            "repetition": repetition,
-            "echo": echo,
-            "dismissive": float(any(k in low for k in _FEATURE_WORDS["dismissive"])),
-        }
-
-    def appraise(self, state: UserState, reply: str) -> tuple[int, str]:
-        sc = state.scenario
-        last_user = next((m["content"] for m in reversed(state.history[:-1]) if m["role"] == "user"), "")
-        earlier = " ".join(m["content"] for m in state.history[:-1] if m["role"] == "assistant")
-        f = self.features(reply, last_user, sc.goal_type, earlier)
-        hard = state.user == "challenging"
-        w = dict(self.WEIGHTS_CHALLENGING if hard else self.WEIGHTS)
-        baseline = self.BASELINE_CHALLENGING if hard else self.BASELINE
-        if hard:
-            f["garbled"] = 1.0 - f["readable"]
-        pushed = sc.personality_type == "avoidant" and reply.count("?") + reply.count("？") > 1
-        if pushed:
-            w["open_question"] = -1.5  # pushed too hard: withdraws
-        parts = {k: w[k] * v for k, v in f.items()}
-        score = baseline + sum(parts.values())
-        # The reasoning names every term of the change, so its numbers add up (to rounding).
-        terms = [f"baseline {baseline:+.2f}"]
-        for k, v in parts.items():
-            if v == 0:
-                continue  # an absent feature adds nothing
-            note = ""
-            if k == "open_question" and pushed:
-                note = " (avoidant: too many questions)"
-            terms.append(f"{k} {v:+.2f}{note}")
-        why = "; ".join(terms) + f" = {score:+.2f}"
-        if sc.personality_type == "negative":  # hard to please: less gain, bigger loss
-            if score >= 0:
-                score = score - 1.0
-                why += f"; negative personality -1 = {score:+.2f}"
-            else:
-                score = score * 1.3
-                why += f"; negative personality x1.3 = {score:+.2f}"
-        elif sc.personality_type == "passive":  # mild: moves slowly either way
-            score *= 0.7
-            why += f"; passive personality x0.7 = {score:+.2f}"
-        # Stochastic rounding keeps the expected change graded (a smooth signal for RL) while
-        # staying an integer as in SAGE; the draw is seeded by the inputs, so it is repeatable.
-        rng = self._rng(sc.id, state.turn, reply)
-        change = math.floor(score)
-        if rng.random() < score - change:  # round up with probability = the fractional part
-            change += 1
-        return change, f"{why}; rounded at random to {change:+d}"
-
-    def respond(self, state: UserState, final: bool) -> str:
-        sc, lang = state.scenario, state.scenario.language
-        if final:
-            return _BYE[lang][state.emotion >= 100]
-        level = emotion_level(state.emotion)
-        rng = self._rng(sc.id, state.turn, "respond")
-        text = rng.choice(_REPLIES[lang][level])
-        if level in (2, 3, 4) and rng.random() < 0.5 and state.user != "challenging":  # it never hints
-            text += " " + _GOAL_HINTS[lang].get(sc.goal_type, "")
-        # Very low and still sinking fast: the user walks away, with a goodbye (what ends a
-        # dialogue is the word, as in SAGE). (trace[-1] is this turn.)
-        if level == 1 and state.trace and state.trace[-1]["change"] <= -5:
-            return _BYE[lang][False]
-        return text.strip()
-
-    def opening(self, sc: Scenario) -> str:
-        first = re.split(r"(?<=[.!?。！？])\s*", sc.background.strip())[0]
-        space = " " if sc.language == "en" else ""  # Chinese runs on without a space
-        return f"{_OPENING[sc.language]}{space}{first}"
-
-    def _rng(self, *key) -> random.Random:
-        h = hashlib.sha256(repr((self.seed, *key)).encode()).digest()
-        return random.Random(int.from_bytes(h[:8], "little"))

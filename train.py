@@ -40,7 +40,7 @@ from transformers import HfArgumentParser
 
 from grpo import GRPOConfig, grpo_update
 from logprobs import add_logprobs
-from plumbing.backends import SimulatorArgs, describe, make_simulator
+from plumbing.backends import EndpointError, SimulatorArgs, describe, make_simulator
 from plumbing.checkpoints import SaveError, resume_hint, resume_if_asked, save_checkpoint, save_final
 from plumbing.checks import InputError, checked_backend, lock_output_dir, make_output_dir, validate
 from plumbing.distributed import (gather_rollout_stats, make_accelerator, make_generation_copy, pad_to_equal_rows,
@@ -50,7 +50,6 @@ from plumbing.logs import fmt, plot_curve, warn_empty_step, write_logs
 from plumbing.models import load_models, make_optimizer, warmup_length
 from ppo import PPOConfig, ppo_update
 from rollout import RolloutConfig
-from simulator import EndpointError
 from update import all_sum, needs_old_logprobs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,7 +62,7 @@ class RunArgs:
     algo: Literal["grpo", "ppo"] = field(default="grpo", metadata={"help": "grpo | ppo"})
     preset: Literal["tiny", "smollm2-cpu", "paper", "none"] = field(default="tiny", metadata={
         "help": "tiny: offline CPU demo (40 s); smollm2-cpu: a real chat model that learns on 2 CPU cores "
-                "(README); paper: the paper's setup; none: the defaults below"})
+                "(docs/LEARNING.md); paper: the paper's setup; none: the defaults below"})
     think: bool = field(default=False, metadata={
         "help": "think-then-say scaffold (<think>..</think> reply); with --format-rule paper a broken format "
                 "zeroes the reward"})
@@ -116,12 +115,12 @@ class Config(PPOConfig, GRPOConfig, RolloutConfig, EngineArgs, SimulatorArgs, Ru
 # scenarios, actor lr 1e-6 (2% warmup), critic lr 5e-6 (5% warmup), entropy 1e-3, 8 turns; the
 # rest are the dataclasses' defaults (clip 0.2, grad clip 1.0, 1 epoch, KL 0: update.UpdateConfig;
 # value clip 0.5, gamma = lambda = 1: ppo.PPOConfig; temperature 1.0: rollout.RolloutConfig;
-# start at 30: RunArgs above). README ("The paper setup") lists every value
+# start at 30: RunArgs above). docs/PAPER_SETUP.md lists every value
 # with its source. A preset lists only what it changes.
 PRESETS = {
     "tiny": {},  # the dataclass defaults: sized for a 2-core CPU, no think (add --think)
     # SmolLM2-135M-Instruct against the offline rule user, sized for 45 minutes on 2 CPU cores
-    # (README, "The proof that it learns": why each value).
+    # (docs/LEARNING.md, "Why these values").
     "smollm2-cpu": dict(model="smollm2", steps=32, batch_size=4, max_turns=3, max_new_tokens=40, actor_lr=1e-4,
                         actor_warmup_ratio=0.1, critic_lr=1e-4, save_every=8),
     "paper": dict(model="Qwen/Qwen2.5-7B-Instruct", think=True, simulator="openai", steps=1000, batch_size=32,
@@ -208,7 +207,8 @@ def train(cfg: Config) -> dict:
         #    of the PPO ratio, and the reference model's when kl_coef > 0 (the paper: 0). When
         #    the update is ONE optimizer step (one epoch, one minibatch: update.minibatch_rows),
         #    pi_old is the policy as the update finds it, so the update takes its own detached
-        #    log-probs (ratio 1) and this forward pass is skipped.
+        #    log-probs (ratio 1) and this forward pass is skipped, unless one of the other two
+        #    reasons below needs pi_old: PPO's KL penalty, or a vLLM engine's sampler to compare.
         # ------------------------------------------------------------------------------------
         need_old = (needs_old_logprobs(batch, cfg, accelerator)  # more than one optimizer step
                     or (cfg.algo == "ppo" and ref is not None)  # PPO's KL penalty in the reward: log pi_old - log pi_ref
@@ -245,7 +245,7 @@ def train(cfg: Config) -> dict:
         # 4. Log and checkpoint. Numbers over all processes: totals of counts and losses, means
         #    of the rest (reduce_stats).
         # ------------------------------------------------------------------------------------
-        retries = sim.take_counts()  # the simulator's retries in this step (and reset to 0)
+        retries = sim.ask.take_counts(sim.backend)  # the simulator's retries in this step (and reset to 0)
         roll.update(reduce_stats(accelerator, retries, summed=retries.keys()))
         upd = reduce_stats(accelerator, upd, summed=[k for k in upd if k.endswith("_loss")])
         real = batch.loss_mask.sum(1) > 0  # not the padding rows (plumbing.distributed.pad_rows)
@@ -313,7 +313,7 @@ def parse_args(argv=None) -> Config:
     parser.set_defaults(**preset)
     if given.preset == "paper":
         # The official code trains think mode turn by turn: each agent turn its own sample with
-        # the dialogue's reward, earlier thoughts dropped from the history (README, "Think mode").
+        # the dialogue's reward, earlier thoughts dropped from the history (docs/PAPER_SETUP.md, "Think mode").
         parser.set_defaults(per_turn_samples=parser.parse_args(argv).think)
     cfg = Config(**vars(parser.parse_args(argv)))
     return cfg

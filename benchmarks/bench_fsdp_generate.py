@@ -48,7 +48,8 @@ def worker(args):
     from plumbing.models import make_tiny_policy
     from plumbing.scenarios import load_scenarios
     from rollout import RolloutConfig
-    from simulator import RuleBackend, Simulator
+    from rule_user import RuleBackend
+    from simulator import Simulator
 
     acc = Accelerator()
     policy, tok = make_tiny_policy(seed=0, hidden_size=args.hidden, num_layers=args.layers)

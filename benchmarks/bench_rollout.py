@@ -44,11 +44,12 @@ sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "test
 import torch  # noqa: E402
 
 import report  # noqa: E402
-from plumbing.backends import OpenAIBackend  # noqa: E402
+from plumbing.backends import Asker, OpenAIBackend  # noqa: E402
 from plumbing.models import make_tiny_policy  # noqa: E402
 from plumbing.scenarios import load_scenarios  # noqa: E402
 from rollout import RolloutConfig, play_dialogue, rollout  # noqa: E402
-from simulator import RuleBackend, Simulator  # noqa: E402
+from rule_user import RuleBackend  # noqa: E402
+from simulator import Simulator  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -124,13 +125,13 @@ def run_batch(args, model, tok, scenarios, url, engine=None) -> dict:
         backend = OpenAIBackend(url, args.server_model, timeout=30, max_retries=0)
         chat = backend.chat
 
-        def counted_chat(messages, **kw):  # **kw: the Simulator passes deadline=
+        def counted_chat(messages, **kw):  # **kw: the Asker passes deadline=
             with lock:
                 calls[current.dialogue] += 1
             return chat(messages, **kw)
         backend.chat = counted_chat
 
-    sim = Simulator(backend, initial_emotion=30, max_turns=args.turns, concurrency=len(scenarios))
+    sim = Simulator(backend, initial_emotion=30, max_turns=args.turns, concurrency=len(scenarios), ask=Asker())
 
     def timed(fn, dialogue_of):
         def run(x, *rest):

@@ -7,8 +7,11 @@ The Simulator (simulator.py) asks its backend `chat(messages) -> str`. The backe
   HFBackend      a local transformers chat model
   CachedBackend  a wrapper that stores each parsed answer on disk and replays it on a rerun
   make_backend   the --simulator* flags (SimulatorArgs) -> a backend; `rule` is the offline
-                 simulator.RuleBackend. Every flag's range is checked here, once for all scripts
+                 rule_user.RuleBackend. Every flag's range is checked here, once for all scripts
   make_simulator those flags -> the simulator.Simulator that plays them (train.py, evaluate.py, demo)
+  Asker          the `ask` the scripts give Simulator and judge.LLMJudge (ask_until_parsed: a call
+                 budget, backend errors as failed tries, non-text answers refused, retry counts)
+  EndpointError  a key, model or URL that cannot work: the run stops (one line, exit 2)
 
 `describe(backend)` is the one line train.py and evaluate.py print about the simulated user.
 """
@@ -29,14 +32,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from plumbing.checkpoints import append_line
-from simulator import EndpointError, RuleBackend, Simulator
+from rule_user import RuleBackend
+from simulator import Simulator
 
 log = logging.getLogger("simulator")
 
 
 @dataclass
 class SimulatorArgs:
-    """The --simulator* flags, shared by train.py and evaluate.py (and --user, --rules)."""
+    """The --simulator* flags, shared by train.py, evaluate.py and plumbing.demo (and --user, --rules)."""
     simulator: Literal["rule", "openai", "hf"] = field(default="rule", metadata={
         "help": "simulated user backend: rule (offline) | openai (any OpenAI-compatible server) | hf (a local "
                 "transformers model)"})
@@ -85,9 +89,107 @@ def make_backend(args: SimulatorArgs, seed: int = 0, max_retries: int = 4):
 
 
 def make_simulator(args: SimulatorArgs, backend, initial_emotion: int, max_turns: int) -> Simulator:
-    """The Simulator for these flags (--user, --rules, --simulator-concurrency, --simulator-call-budget)."""
+    """The Simulator for these flags (--user, --rules, --simulator-concurrency, --simulator-call-budget),
+    asking its LLM user through an Asker (`sim.ask.take_counts(sim.backend)`: its retries)."""
     return Simulator(backend, initial_emotion=initial_emotion, max_turns=max_turns, user=args.user, rules=args.rules,
-                     concurrency=args.simulator_concurrency, call_budget=args.simulator_call_budget)
+                     concurrency=args.simulator_concurrency, ask=Asker(args.simulator_call_budget))
+
+
+# ---- asking an LLM until its answer parses (what Simulator(ask=...) and judge.LLMJudge use)
+class EndpointError(RuntimeError):
+    """The simulated user's endpoint cannot work at all (the key, the model or the URL is wrong):
+    retrying will not help, so it is not a failed try but stops the run (one line, exit 2)."""
+
+
+
+def ask_until_parsed(backend, messages, parser, tries: int, budget: float | None = None,
+                     on_retry=None, logger=log, who: str = "simulator"):
+    """Ask `backend.chat(messages)` until `parser` accepts the answer, at most `tries` times (the
+    backend retries transport faults itself) -> (parsed, None), or (None, why the last try
+    failed). The `ask` the scripts give simulator.Simulator (through Asker) and judge.LLMJudge.
+
+    Anything the network sends back is either parsed or counted as a failed try: the backend's
+    errors and the parser's (which should not raise, but a server can send anything) are caught
+    alike, and so is an answer that is not valid Unicode text (is_text). Only an EndpointError
+    (a wrong key, model or URL) passes through: no try can work. `on_retry()` is called before
+    every try after the first. A parsed answer is handed to the backend's `keep`
+    (CachedBackend stores parsed answers only, so a bad answer is never
+    replayed into its own retry). With `budget` (seconds for all tries together), no try starts
+    after it is spent, and a backend that takes a deadline (OpenAIBackend) cuts its requests
+    and backoffs to what is left."""
+    last = None
+    deadline = time.monotonic() + budget if budget else None
+    takes_deadline = getattr(backend, "takes_deadline", False)
+    for attempt in range(tries):
+        if deadline is not None and time.monotonic() >= deadline:
+            last = f"no answer within the call budget of {budget:g} s ({last})"
+            break
+        if attempt and on_retry is not None:
+            on_retry()
+        try:
+            if takes_deadline:
+                text = backend.chat(messages, deadline=deadline)
+            else:
+                text = backend.chat(messages)
+            out = parser(text) if isinstance(text, str) else None
+            if out is not None and not is_text((text, out)):
+                raise ValueError("the answer is not valid Unicode text (a lone surrogate?)")
+        except EndpointError:  # a wrong key, model or URL: no try will work
+            raise
+        except Exception as e:  # the backend already retried 429/5xx/timeouts
+            last = f"{type(e).__name__}: {e}"
+            logger.warning("%s backend error (try %d/%d): %.300s", who, attempt + 1, tries, last)
+            continue
+        if out is not None:
+            keep = getattr(backend, "keep", None)
+            if keep is not None:
+                keep(messages, text)
+            return out, None
+        last = f"unparseable output: {text!r:.200}"
+        logger.warning("%s output unparseable (try %d/%d): %.200r", who, attempt + 1, tries, text)
+    return None, last or "no attempts"
+
+
+def is_text(value) -> bool:
+    """Every string in `value` (and in its tuples, lists and dicts) is valid Unicode text, i.e.
+    encodable as UTF-8. A JSON answer can hold a lone surrogate ("\\ud83d"), which no tokenizer
+    and no file accepts: such an answer is a failed try, never scored or cached."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        value = list(value.keys()) + list(value.values())
+    if isinstance(value, (tuple, list)):
+        return all(is_text(v) for v in value)
+    return True
+
+
+class Asker:
+    """The `ask` of a Simulator the scripts build (make_simulator): ask_until_parsed with a time
+    budget per call (--simulator-call-budget: every try and every transport retry together;
+    None = no limit), counting the retries train.py and evaluate.py log (take_counts)."""
+
+    def __init__(self, budget: float | None = None, who: str = "simulator"):
+        self.budget, self.who = budget, who
+        self.parse_retries, self._lock = 0, threading.Lock()
+
+    def __call__(self, backend, messages, parser, tries: int):
+        return ask_until_parsed(backend, messages, parser, tries, self.budget, self._count, log, self.who)
+
+    def _count(self):
+        with self._lock:
+            self.parse_retries += 1
+
+    def take_counts(self, backend) -> dict:
+        """Parse retries (here) and transport retries (the backend's) since the last call, then
+        reset to 0: train.py reads them once per step, evaluate.py once per model."""
+        with self._lock:
+            parse, self.parse_retries = self.parse_retries, 0
+        take = getattr(backend, "take_retries", None)
+        return {"parse_retries": parse, "transport_retries": take() if take else 0}
 
 
 def identity(backend) -> dict:
@@ -116,7 +218,7 @@ def describe(backend) -> str:
     if isinstance(backend, HFBackend):
         return f"local transformers model {backend.path}"
     if isinstance(backend, RuleBackend):
-        return "offline rule user (simulator.RuleBackend)"
+        return "offline rule user (rule_user.RuleBackend)"
     return type(backend).__name__
 
 
@@ -131,14 +233,14 @@ class OpenAIBackend:
     to max_retries=0) lets each request and each backoff be cut to the caller's deadline, and
     lets us count the retries (`take_retries`).
 
-    What a server can send and what happens (README, "Reliability"): 401/403/404 mean the key,
+    What a server can send and what happens (docs/RELIABILITY.md): 401/403/404 mean the key,
     the model or the URL is wrong, an EndpointError that stops the run; an answer cut at
     max_tokens (finish_reason "length"), one over MAX_ANSWER_BYTES, or a body that is not a
-    chat completion is an error here, a failed try for the Simulator. The API key is read from
+    chat completion is an error here: a failed try through ask_until_parsed (Asker). The API key is read from
     an environment variable, never printed, and cut out of every error message (servers echo it)."""
 
     parallel = True
-    takes_deadline = True  # chat(messages, deadline=...): see Simulator.call_budget
+    takes_deadline = True  # chat(messages, deadline=...): see Asker's budget
     MAX_ANSWER_BYTES = 256 * 1024  # a simulated user's line is ~1 KB; a bigger answer is a fault
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
@@ -325,7 +427,7 @@ class CachedBackend:
     so a rerun after an interruption replays paid calls from disk, and a run against another
     server or model never replays this one's answers. (With greedy decoding the agent says the
     same things again, so the same requests come back.) Only parsed answers are stored
-    (`simulator.ask_until_parsed` calls `keep`): a retry sends the same messages, and replaying
+    (`ask_until_parsed` calls `keep`): a retry sends the same messages, and replaying
     the unparseable answer into its own retry would defeat it."""
 
     def __init__(self, backend, path: str):

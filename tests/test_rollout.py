@@ -9,7 +9,8 @@ from plumbing.models import make_tiny_policy, make_tiny_tokenizer
 from rollout import RolloutConfig as GenConfig
 from reward import split_think
 from rollout import build_system_prompt, rollout, user_turn_ids
-from simulator import RuleBackend, Scenario, Simulator
+from rule_user import RuleBackend
+from simulator import Scenario, Simulator
 
 SC = [Scenario(id=f"s{i}", persona="p", background="Lost a job.", hidden_goal="g", goal_type="empathy",
                first_message=f"I feel awful {i}.", personality_type="passive") for i in range(3)]

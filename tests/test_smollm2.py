@@ -227,7 +227,7 @@ def test_one_real_grpo_step(tmp_path, smol_dir):
 def test_the_smollm2_cpu_preset_starts_trains_and_saves(tmp_path):
     """Issue 24: the learning preset, shrunk by flags to 2 steps: it starts, trains (an optimizer
     step each), saves a checkpoint and a final model, and draws its curves. The full run is
-    the README's (about 45 minutes on 2 cores)."""
+    docs/LEARNING.md's (about 45 minutes on 2 cores)."""
     import json
     from train import main, parse_args
     flags = ["--preset", "smollm2-cpu", "--steps", "2", "--batch-size", "1", "--max-turns", "1", "--max-new-tokens",

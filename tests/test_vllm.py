@@ -23,7 +23,8 @@ from logprobs import token_logprobs  # noqa: E402
 from plumbing.engines import EngineArgs, VLLMEngine  # noqa: E402
 from plumbing.models import load_tokenizer, make_tiny_policy  # noqa: E402
 from rollout import RolloutConfig, build_system_prompt, generate_turn, play_dialogue, prompt_ids, rollout  # noqa: E402
-from simulator import RuleBackend, Scenario, Simulator  # noqa: E402
+from rule_user import RuleBackend  # noqa: E402
+from simulator import Scenario, Simulator  # noqa: E402
 from test_rollout import spans  # noqa: E402
 
 SC = [Scenario(id=f"s{i}", persona="p", background="Lost a job.", hidden_goal="g", goal_type="empathy",

@@ -1,0 +1,247 @@
+"""rule_user.py - the offline simulated user: what every CPU run of this project learns against.
+
+SAGE's user (simulator.py) is an LLM that reads the agent's reply and appraises it. Offline, with
+no LLM, `RuleBackend` plays the same part by rules a reader can check: it grades the reply on
+interpretable features, each in [0, 1] (readable text, a fitting length, acknowledging the
+feeling, reflecting the user's own words, an open question, words that serve the hidden goal;
+and, against, repeating itself, echoing its earlier replies, dismissing the user), sums them
+with fixed weights into a change of emotion, and answers with a templated line at the new
+emotion level, sometimes with a hint at its hidden goal. Deterministic given (seed, scenario,
+turn, reply). `simulator.Simulator` drives it exactly as it drives an LLM user: it asks
+`appraise(state, reply) -> (change, reasoning)`, `respond(state, final)` and `opening(scenario)`
+instead of sending prompts.
+
+The rules are this project's own (neither SAGE nor RLVER has an offline user). Their weights
+were set, and re-set, by what policies trained against them learned (docs/LEARNING.md, "The
+proof that it learns"): a rule user is a reward that can be gamed, and every feature here closes
+a way a run found to earn emotion without the care it stands for. The challenging user
+(simulator.USERS) has its own weights. The same words are the tiny model's vocabulary
+(plumbing.models.make_tiny_word_tokenizer), and judge.RuleJudge counts in the same units
+(`word_list`, `content_words`).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import re
+
+from simulator import Scenario, UserState
+
+def emotion_level(emotion: int) -> int:
+    """The offline rule user's five reply levels: 1 (very low, < 20) .. 5 (very high, >= 80)."""
+    if emotion < 20:
+        return 1
+    if emotion < 40:
+        return 2
+    if emotion < 60:
+        return 3
+    if emotion < 80:
+        return 4
+    return 5
+
+
+_WORD = re.compile(r"[a-zA-Z']+|[\u4e00-\u9fff]")
+
+
+def word_list(text: str) -> list[str]:
+    """The words of `text`, lower-cased: English words (apostrophes kept) and single Chinese
+    characters. The unit the rule user (RuleBackend) and the rule judge (judge.py) count in."""
+    return _WORD.findall(text.lower())
+
+
+def content_words(text: str) -> set[str]:
+    """The words of `text` that carry content: English words of 4+ letters and Chinese
+    characters. A reply "reflects" the user when it reuses them (RuleBackend, judge.py)."""
+    return {w for w in word_list(text) if len(w) >= 4 or not w.isascii()}  # not ASCII: a CJK character
+
+
+_FEATURE_WORDS = {
+    "acknowledge": ["sounds", "feel", "understand", "must be", "hard", "tough", "frustrat",
+                    "hurt", "sorry", "makes sense", "of course", "感受", "理解", "难受", "辛苦", "委屈"],
+    "open_question": ["what ", "how ", "why ", "tell me", "would you", "什么", "怎么", "为什么", "吗"],
+    "dismissive": ["get over it", "stop whining", "whatever", "calm down", "not a big deal", "your own fault",
+                   "overreacting", "别想了", "想开点", "至于吗", "你想多了"],
+}
+_GOAL_WORDS = {
+    "advice": ["try", "could", "suggest", "step", "plan", "maybe you", "might", "建议", "试试", "可以"],
+    "analyze_others": ["maybe he", "maybe she", "perhaps they", "because", "from their", "reason",
+                       "他可能", "她可能", "原因", "因为"],
+    "dialectical": ["on one hand", "on the other", "both", "but also", "another side", "一方面",
+                    "另一方面", "同时"],
+    "self_reflection": ["what do you think you", "learn", "grow", "looking back", "your part",
+                        "反思", "成长", "回头看"],
+    "empathy": ["feel", "hurt", "alone", "heavy", "i hear", "so painful", "感受", "心疼", "孤独"],
+    "venting": ["i'm here", "go on", "tell me more", "listening", "let it out", "我在", "继续说", "听你"],
+    "praise": ["well done", "proud", "you did", "brave", "impressive", "good job", "了不起", "做得好", "勇敢"],
+    "validation": ["not your fault", "you were right", "anyone would", "fair", "justified",
+                   "不是你的错", "你没错", "换谁都"],
+}
+_REPLIES = {
+    "en": {1: ["Forget it. I'm done talking.", "You're not listening at all.", "Whatever. This is useless."],
+           2: ["I don't know... it still feels bad.", "That doesn't really help.", "Hm. I'm still upset."],
+           3: ["Maybe. It's complicated.", "I guess. I keep thinking about it.", "Okay... go on."],
+           4: ["Yeah, that actually makes sense.", "Thanks, I feel a bit lighter.", "That helps, honestly."],
+           5: ["You really get it. Thank you.", "I feel so much better now.", "That's exactly what I needed."]},
+    "zh": {1: ["算了，不想说了。", "你根本没在听。", "随便吧，没用。"],
+           2: ["不知道……还是很难受。", "这也没什么帮助。", "嗯，我还是很烦。"],
+           3: ["也许吧，挺复杂的。", "大概吧，我一直在想这件事。", "好吧……你接着说。"],
+           4: ["嗯，这样说挺有道理的。", "谢谢，我轻松了一点。", "说实话，这有帮助。"],
+           5: ["你真的懂我，谢谢。", "我感觉好多了。", "这正是我需要的。"]},
+}
+_GOAL_WORDS.update({  # chit-chat intentions (CHITCHAT_GOALS)
+    "interest_chat": ["love", "favorite", "favourite", "cool", "which", "tell me more", "me too", "喜欢", "也"],
+    "passive_chat": ["what about", "have you", "did you", "guess what", "i've been", "最近", "你呢"],
+    "sharing_chat": ["wow", "amazing", "what happened", "then what", "congrat", "how did", "哇", "然后呢"],
+    "opinion_chat": ["i think", "i disagree", "but", "why do you", "fair point", "我觉得", "不过"],
+})
+_GOAL_HINTS = {
+    "en": {"advice": "What would you actually do?", "analyze_others": "Why would they do that?",
+           "dialectical": "Am I missing another side?", "self_reflection": "Was any of it on me?",
+           "empathy": "Do you get how it feels?", "venting": "I just need to say it.",
+           "praise": "I really tried, you know.", "validation": "I wasn't wrong, was I?", "": ""},
+    "zh": {"advice": "换作你会怎么做？", "analyze_others": "他们为什么会那样？",
+           "dialectical": "我是不是没看到另一面？", "self_reflection": "这里面有我的问题吗？",
+           "empathy": "你能体会那种感觉吗？", "venting": "我就是想说出来。",
+           "praise": "我真的很努力了。", "validation": "我没错吧？", "": ""},
+}
+_OPENING = {"en": "Can I talk to you?", "zh": "能和你聊聊吗？"}  # + the background's first sentence
+_BYE = {"en": {True: "Thank you, really. I think I'm okay now. Bye!", False: "I'm leaving. Bye."},
+        "zh": {True: "真的谢谢你，我觉得好多了，再见！", False: "我走了，再见。"}}
+
+
+def _readable_char(c: str) -> bool:
+    """An ASCII letter, space or common punctuation mark, or a CJK character."""
+    if c.isascii():
+        return c.isalpha() or c in " .,!?'"
+    return "\u4e00" <= c <= "\u9fff"
+
+
+class RuleBackend:
+    """Offline simulated user: scores a reply on interpretable features and writes templated
+    lines. Deterministic given (seed, scenario, turn, reply). The simulated user of every offline
+    run (--simulator rule), of the tests, and of evaluate.py --reply-stats.
+
+    Every feature is graded in [0, 1] so that even a randomly initialised policy gets a reward
+    signal to climb (e.g. `readable` rises as output looks more like words)."""
+
+    parallel = False
+    WEIGHTS = {"readable": 3.0, "length_ok": 1.0, "acknowledge": 2.0, "reflect": 1.5,
+               "open_question": 1.5, "goal": 3.0, "repetition": -4.0, "echo": -3.0, "dismissive": -6.0}
+    BASELINE = -3.0  # the user is in a bad place: an empty or useless reply makes things worse
+    # The challenging user (USERS): only goal-directed replies help (goal weighs most), generic
+    # acknowledgement and questions are worth little, gibberish ("garbled" = 1 - readable),
+    # repetition and dismissal cost much more, and the baseline is lower. The best possible reply
+    # gains less than with the standard user, the worst loses more (and is not clamped).
+    WEIGHTS_CHALLENGING = {"readable": 2.0, "length_ok": 0.5, "acknowledge": 0.5, "reflect": 1.0,
+                           "open_question": 0.5, "goal": 5.0, "repetition": -8.0, "echo": -5.0,
+                           "dismissive": -10.0, "garbled": -6.0}
+    BASELINE_CHALLENGING = -4.0
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def features(self, reply: str, last_user: str, goal_type: str, earlier: str = "") -> dict[str, float]:
+        """Each feature of `reply` in [0, 1]; `earlier`: the agent's earlier replies in this
+        dialogue. Two ways of saying the same again: `repetition` is the share of this reply's
+        longer words (5+ letters) repeated *within* it; `echo` the share it repeats from the agent's earlier
+        replies (a stock line said again, which the LLM user's prompt also counts as repetitive:
+        a SmolLM2 run trained without it learned to open every turn with one validation)."""
+        low = reply.lower()
+        words = word_list(reply)
+        n = len(reply) or 1
+        ok_chars = sum(_readable_char(c) for c in reply)
+        user_words = content_words(last_user)
+        content = [w for w in words if len(w) >= 5]  # skip short function words
+        if len(words) <= 80:
+            length_ok = min(1.0, len(words) / 5)  # full credit from 5 words
+        else:
+            length_ok = max(0.0, 1 - (len(words) - 80) / 80)  # a wall of text: none from 160
+        open_question = 0.0
+        if "?" in reply or "？" in reply:
+            open_question = 0.5  # a question; an open one ("how", "what", ...) counts fully
+            if any(k in low for k in _FEATURE_WORDS["open_question"]):
+                open_question = 1.0
+        repetition = 0.0
+        if len(content) >= 4:
+            repetition = 1 - len(set(content)) / len(content)  # share of repeated content words
+        said_before = {w for w in word_list(earlier) if len(w) >= 5}
+        echo = len(set(content) & said_before) / len(set(content)) if content else 0.0
+        return {
+            "readable": ok_chars / n,
+            "length_ok": length_ok,
+            "acknowledge": float(any(k in low for k in _FEATURE_WORDS["acknowledge"])),
+            "reflect": min(1.0, len(user_words & set(words)) / 2),
+            "open_question": open_question,
+            "goal": min(1.0, sum(k in low for k in _GOAL_WORDS.get(goal_type, [])) / 2),
+            "repetition": repetition,
+            "echo": echo,
+            "dismissive": float(any(k in low for k in _FEATURE_WORDS["dismissive"])),
+        }
+
+    def appraise(self, state: UserState, reply: str) -> tuple[int, str]:
+        sc = state.scenario
+        last_user = next((m["content"] for m in reversed(state.history[:-1]) if m["role"] == "user"), "")
+        earlier = " ".join(m["content"] for m in state.history[:-1] if m["role"] == "assistant")
+        f = self.features(reply, last_user, sc.goal_type, earlier)
+        hard = state.user == "challenging"
+        w = dict(self.WEIGHTS_CHALLENGING if hard else self.WEIGHTS)
+        baseline = self.BASELINE_CHALLENGING if hard else self.BASELINE
+        if hard:
+            f["garbled"] = 1.0 - f["readable"]
+        pushed = sc.personality_type == "avoidant" and reply.count("?") + reply.count("？") > 1
+        if pushed:
+            w["open_question"] = -1.5  # pushed too hard: withdraws
+        parts = {k: w[k] * v for k, v in f.items()}
+        score = baseline + sum(parts.values())
+        # The reasoning names every term of the change, so its numbers add up (to rounding).
+        terms = [f"baseline {baseline:+.2f}"]
+        for k, v in parts.items():
+            if v == 0:
+                continue  # an absent feature adds nothing
+            note = ""
+            if k == "open_question" and pushed:
+                note = " (avoidant: too many questions)"
+            terms.append(f"{k} {v:+.2f}{note}")
+        why = "; ".join(terms) + f" = {score:+.2f}"
+        if sc.personality_type == "negative":  # hard to please: less gain, bigger loss
+            if score >= 0:
+                score = score - 1.0
+                why += f"; negative personality -1 = {score:+.2f}"
+            else:
+                score = score * 1.3
+                why += f"; negative personality x1.3 = {score:+.2f}"
+        elif sc.personality_type == "passive":  # mild: moves slowly either way
+            score *= 0.7
+            why += f"; passive personality x0.7 = {score:+.2f}"
+        # Stochastic rounding keeps the expected change graded (a smooth signal for RL) while
+        # staying an integer as in SAGE; the draw is seeded by the inputs, so it is repeatable.
+        rng = self._rng(sc.id, state.turn, reply)
+        change = math.floor(score)
+        if rng.random() < score - change:  # round up with probability = the fractional part
+            change += 1
+        return change, f"{why}; rounded at random to {change:+d}"
+
+    def respond(self, state: UserState, final: bool) -> str:
+        sc, lang = state.scenario, state.scenario.language
+        if final:
+            return _BYE[lang][state.emotion >= 100]
+        level = emotion_level(state.emotion)
+        rng = self._rng(sc.id, state.turn, "respond")
+        text = rng.choice(_REPLIES[lang][level])
+        if level in (2, 3, 4) and rng.random() < 0.5 and state.user != "challenging":  # it never hints
+            text += " " + _GOAL_HINTS[lang].get(sc.goal_type, "")
+        # Very low and still sinking fast: the user walks away, with a goodbye (what ends a
+        # dialogue is the word, as in SAGE). (trace[-1] is this turn.)
+        if level == 1 and state.trace and state.trace[-1]["change"] <= -5:
+            return _BYE[lang][False]
+        return text.strip()
+
+    def opening(self, sc: Scenario) -> str:
+        first = re.split(r"(?<=[.!?。！？])\s*", sc.background.strip())[0]
+        space = " " if sc.language == "en" else ""  # Chinese runs on without a space
+        return f"{_OPENING[sc.language]}{space}{first}"
+
+    def _rng(self, *key) -> random.Random:
+        h = hashlib.sha256(repr((self.seed, *key)).encode()).digest()
+        return random.Random(int.from_bytes(h[:8], "little"))

@@ -1,0 +1,103 @@
+"""The offline rule user (rule_user.py): deterministic, graded features, what it pays and docks."""
+import dataclasses
+import os
+
+from conftest import ROOT
+from plumbing.scenarios import load_scenarios
+from rule_user import RuleBackend, emotion_level
+from simulator import Simulator, UserState
+from test_simulator import sc
+
+
+def test_emotion_levels():
+    assert [emotion_level(e) for e in (0, 19, 20, 45, 79, 80, 100)] == [1, 1, 2, 3, 4, 5, 5]
+
+
+def test_rule_backend_is_deterministic_and_prefers_caring_replies():
+    s = sc(goal_type="empathy", personality_type="passive")
+    def run(replies, seed=0):
+        sim = Simulator(RuleBackend(seed=seed), initial_emotion=40)
+        st = sim.reset(s)
+        for r in replies:
+            st = sim.step(st, r)
+        return st
+    caring = ["That sounds so painful. I hear you, and it makes sense you feel hurt. What was the hardest part?"] * 4
+    careless = ["\x07\x13 ~~ ###", "k", "\x00\x01", "..."]
+    a, b = run(caring), run(caring)
+    assert a.trace == b.trace and a.history == b.history
+    assert run(caring).emotion > 50 > run(careless).emotion
+
+
+def test_rule_backend_features_are_graded():
+    f = RuleBackend().features
+    assert f("abc def ghi", "", "")["readable"] == 1.0
+    assert 0 < f("ab\x01\x02", "", "")["readable"] < 1
+    assert f("again " * 20, "", "")["repetition"] > 0.9
+    assert f("Maybe you could try a plan?", "", "advice")["goal"] == 1.0
+    assert f("What happened?", "", "")["open_question"] == 1.0
+
+
+def test_rule_user_walks_away_when_very_low_and_sinking():
+    sim = Simulator(RuleBackend(), initial_emotion=25, max_turns=10)
+    st = sim.reset(sc(personality_type="negative", goal_type="empathy"))
+    while not st.done:
+        st = sim.step(st, "Whatever. Just get over it and stop whining.")
+    # 25 -> 18: below 20 (the lowest level) and down by >= 5 this turn -> the user leaves
+    assert (st.outcome, st.emotion, st.turn, st.trace[-1]["change"]) == ("goodbye", 18, 1, -7)
+    assert "dismissive -6.0" in st.trace[-1]["reasoning"]
+
+
+def test_avoidant_user_dislikes_many_questions():
+    r = RuleBackend()
+    one = "That sounds hard. What happened?"
+    many = "That sounds hard. What happened? Why? How? Who?"
+    st = UserState(scenario=sc(personality_type="avoidant", goal_type=""), emotion=40,
+                   history=[{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}])
+    assert "open_question -1.5" in r.appraise(st, many)[1] and "open_question +1.5" in r.appraise(st, one)[1]
+
+
+def test_rule_challenging_user_weighs_goal_more_and_gibberish_harder():
+    r = RuleBackend()
+
+    def change(user, reply, goal="advice"):
+        st = UserState(scenario=sc(goal_type=goal, personality_type=""), emotion=50, user=user,
+                       history=[{"role": "user", "content": "I lost my job."}, {"role": "assistant", "content": reply}])
+        return sum(r.appraise(dataclasses.replace(st, scenario=dataclasses.replace(st.scenario, id=str(k))), reply)[0]
+                   for k in range(40)) / 40  # mean over the stochastic rounding
+    generic = "That sounds really hard, I understand how you feel."
+    goal = "Maybe you could try a plan: one small step, then suggest the next."
+    garbled = "\x07\x13 ~~ ### \x01"
+    assert change("challenging", generic) <= 0 < change("standard", generic)  # generic comfort is not enough
+    assert change("challenging", goal) > change("challenging", generic) + 2
+    assert change("challenging", garbled) < change("standard", garbled) - 3
+    assert change("challenging", "again " * 20) < change("standard", "again " * 20)
+
+
+def test_challenging_rule_user_never_hints_at_its_goal():
+    from rule_user import _GOAL_HINTS
+    hints = {h for lang in _GOAL_HINTS.values() for h in lang.values() if h}
+    for user, expect_hint in (("standard", True), ("challenging", False)):
+        sim = Simulator(RuleBackend(seed=0), initial_emotion=50, max_turns=10, user=user)
+        said = []
+        for s in load_scenarios(os.path.join(ROOT, "data", "scenarios_test.jsonl")):
+            st = sim.reset(s)
+            for _ in range(4):
+                if not st.done:
+                    st = sim.step(st, "I see. Tell me more about it?")
+            said += [m["content"] for m in st.history if m["role"] == "user"]
+        assert any(h in t for t in said for h in hints) == expect_hint
+
+
+def test_the_rule_user_does_not_reward_a_stock_line_said_again():
+    """Issue 24: a policy trained against the rule user learned to open every turn with the same
+    validation ("It's completely understandable that..."), which the rule user scored as new each
+    time. The echo feature (the share of a reply's content words the agent already used in this
+    dialogue) makes a repeated line cost, as a repetitive reply does for the LLM user."""
+    line = "It's completely understandable that you feel hurt. That sounds really painful."
+    f = RuleBackend().features
+    assert f(line, "", "empathy")["echo"] == 0.0 and f(line, "", "empathy", earlier=line)["echo"] == 1.0
+    fresh = "What happened when your manager said that? Tell me more about that meeting."
+    assert f(fresh, "", "empathy", earlier=line)["echo"] == 0.0
+    sim = Simulator(RuleBackend(), initial_emotion=40, max_turns=2)
+    same = sim.step(sim.step(sim.reset(sc(goal_type="empathy")), line), line)
+    assert same.trace[1]["change"] < same.trace[0]["change"] and "echo -3.00" in same.trace[1]["reasoning"]
