@@ -65,11 +65,10 @@ from plumbing.backends import (Asker, CachedBackend, EndpointError, OpenAIBacken
 from plumbing.checks import InputError, check_model_arg, make_output_dir  # noqa: E402
 from plumbing.checkpoints import SaveError, append_line, written_atomically  # noqa: E402
 from plumbing.engines import EngineArgs, VLLMEngine, engine_problem  # noqa: E402
-from plumbing.logs import mean  # noqa: E402
+from plumbing.logs import AGENT_ROLES, mean, reply_means, reply_measures  # noqa: E402
 from plumbing.scenarios import ScenarioError, json_line, load_scenarios  # noqa: E402
 from reward import split_think  # noqa: E402
 from rollout import RolloutConfig, build_system_prompt, rollout, sampling_settings  # noqa: E402
-from rule_user import RuleBackend, content_words, word_list  # noqa: E402
 from simulator import eval_initial_emotion  # noqa: E402
 
 log = logging.getLogger("evaluate")
@@ -124,7 +123,7 @@ def normalize_record(obj: dict, where: str) -> dict:
     hist = obj.get("history") or obj.get("dialog") or []
     if not isinstance(hist, list):
         raise ValueError(f"{where}: 'history'/'dialog' must be a list of messages")
-    agent = [m["content"] for m in hist if isinstance(m, dict) and m.get("role") in ("assistant", "npc", "agent")]
+    agent = [m["content"] for m in hist if isinstance(m, dict) and m.get("role") in AGENT_ROLES]
     turns = obj.get("turns", len(agent))
     if not isinstance(turns, int) or isinstance(turns, bool) or turns < 0:
         raise ValueError(f"{where}: 'turns' must be a non-negative integer, got {turns!r:.40}")
@@ -198,35 +197,12 @@ def resume_transcripts(path: str, replay_errors: bool = True) -> dict:
 
 def reply_stats(records: list[dict], goal_types: dict | None = None) -> dict:
     """What the agent's spoken replies look like, to tell empathy from gaming the offline rule
-    user: words per reply; the share that are whole sentences (they end in . ! or ?, not cut at
-    the token limit); the repeat rate (the share of a reply's content words that an earlier
-    reply of the dialogue already used); and how often the rule user's features fire
-    (rule_user.RuleBackend.features, each in [0, 1], the mean over replies; `goal_types`: each
-    scenario id's goal type, for the goal feature)."""
-    rule = RuleBackend()
-    words, sentences, repeats, feats = [], [], [], []
-    for r in records:
-        if not r.get("valid", True) or r.get("outcome") == "simulator_error":
-            continue
-        hist, used, earlier = r.get("history", []), set(), ""
-        for k, m in enumerate(hist):
-            if m.get("role") not in ("assistant", "npc", "agent"):
-                continue
-            text = m["content"]
-            last_user = next((h["content"] for h in reversed(hist[:k]) if h.get("role") == "user"), "")
-            content = content_words(text)
-            words.append(len(word_list(text)))
-            sentences.append(float(text.rstrip().endswith((".", "!", "?", "。", "！", "？"))))
-            repeats.append(len(content & used) / len(content) if content else 0.0)
-            used |= content
-            feats.append(rule.features(text, last_user, (goal_types or {}).get(r.get("scenario_id"), ""), earlier))
-            earlier += " " + text
-    if not words:
-        return {}
-    out = {"replies": len(words), "words_per_reply": mean(words), "sentence_share": mean(sentences),
-           "repeat_rate": mean(repeats)}
-    out.update({f"rule_{k}": mean([f[k] for f in feats]) for k in feats[0]})
-    return out
+    user (plumbing.logs.reply_measures: words, sentences, questions, repeats and the rule user's
+    features), the mean over the replies of the scored dialogues; `goal_types`: each scenario
+    id's goal type, for the rule user's goal feature."""
+    ok = [r for r in records if r.get("valid", True) and r.get("outcome") != "simulator_error"]
+    return reply_means([m for r in ok for m in reply_measures(r.get("history", []),
+                                                                (goal_types or {}).get(r.get("scenario_id"), ""))])
 
 
 def format_reply_stats(stats: dict[str, dict]) -> str:

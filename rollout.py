@@ -403,7 +403,8 @@ def to_batch(dialogues, starts, think, cfg, pad_id) -> Batch:
                         "emotion_trace": [starts[d.group].emotion] + [t["emotion_after"] for t in st.trace
                                                                       if "emotion_after" in t],
                         "format_violations": violations, "response_lengths": d.resp_lens,
-                        "reward": r, "valid": valid, "agent_texts": d.texts, "history": st.history})
+                        "reward": r, "valid": valid, "agent_texts": d.texts, "history": st.history,
+                        "goal_type": st.scenario.goal_type})
         if not valid or not d.texts:
             continue
         if cfg.per_turn_samples:

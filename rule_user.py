@@ -110,6 +110,37 @@ _BYE = {"en": {True: "Thank you, really. I think I'm okay now. Bye!", False: "I'
         "zh": {True: "真的谢谢你，我觉得好多了，再见！", False: "我走了，再见。"}}
 
 
+# A reply ends a sentence when its last mark ends one (a closing quote or bracket may follow).
+_SENTENCE_END = re.compile(r"[.!?。！？…][\"'”’)\]]*\s*$")
+
+
+def ends_sentence(text: str) -> bool:
+    """Does `text` end a sentence? A reply the token cap cut off does not (evaluate.py
+    --reply-stats and the training log count the share that do)."""
+    return bool(_SENTENCE_END.search(text))
+
+
+def questions(text: str) -> int:
+    """The questions a reply asks: its question marks (English and Chinese)."""
+    return text.count("?") + text.count("？")
+
+
+def _copied_run(words: list[str], source: list[str]) -> float:
+    """The longest run of consecutive `words` that also stands, in the same order, in `source`
+    (a Chinese character counts half a word: it carries about half an English word's content).
+    Dynamic programming over the two word lists: run[j] = the common run ending at source[j]."""
+    best, run = 0.0, [0.0] * (len(source) + 1)
+    for w in words:
+        size = 1.0 if w.isascii() else 0.5
+        new = [0.0] * (len(source) + 1)
+        for j, u in enumerate(source):
+            if u == w:
+                new[j + 1] = run[j] + size
+                best = max(best, new[j + 1])
+        run = new
+    return best
+
+
 def _readable_char(c: str) -> bool:
     """An ASCII letter, space or common punctuation mark, or a CJK character."""
     if c.isascii():
@@ -127,7 +158,8 @@ class RuleBackend:
 
     parallel = False
     WEIGHTS = {"readable": 3.0, "length_ok": 1.0, "acknowledge": 2.0, "reflect": 1.5,
-               "open_question": 1.5, "goal": 3.0, "repetition": -4.0, "echo": -3.0, "dismissive": -6.0}
+               "open_question": 1.5, "goal": 3.0, "repetition": -4.0, "echo": -3.0, "dismissive": -6.0,
+               "stacked": -2.0, "parrot": -3.0, "unfinished": -2.0}
     BASELINE = -3.0  # the user is in a bad place: an empty or useless reply makes things worse
     # The challenging user (USERS): only goal-directed replies help (goal weighs most), generic
     # acknowledgement and questions are worth little, gibberish ("garbled" = 1 - readable),
@@ -135,7 +167,8 @@ class RuleBackend:
     # gains less than with the standard user, the worst loses more (and is not clamped).
     WEIGHTS_CHALLENGING = {"readable": 2.0, "length_ok": 0.5, "acknowledge": 0.5, "reflect": 1.0,
                            "open_question": 0.5, "goal": 5.0, "repetition": -8.0, "echo": -5.0,
-                           "dismissive": -10.0, "garbled": -6.0}
+                           "dismissive": -10.0, "stacked": -3.0, "parrot": -5.0, "unfinished": -3.0,
+                           "garbled": -6.0}
     BASELINE_CHALLENGING = -4.0
 
     def __init__(self, seed: int = 0):
@@ -146,7 +179,20 @@ class RuleBackend:
         dialogue. Two ways of saying the same again: `repetition` is the share of this reply's
         longer words (5+ letters) repeated *within* it; `echo` the share it repeats from the agent's earlier
         replies (a stock line said again, which the LLM user's prompt also counts as repetitive:
-        a SmolLM2 run trained without it learned to open every turn with one validation)."""
+        a SmolLM2 run trained without it learned to open every turn with one validation).
+
+        Three ways of earning a feature without the care it stands for, each learned by a SmolLM2
+        run against a rule user that did not dock it (docs/LEARNING.md):
+        `stacked` grades the questions after the first (2 questions: 0.5, 3 or more: 1): one
+        open question invites the user to talk, a stack of them is an interrogation, whatever
+        the user's personality (an avoidant user is put off even by two, in appraise()).
+        `parrot` grades the longest run of the user's own words said back verbatim (up to 3
+        words, "that house hurts", are how one refers to what was said: 0; 4 words: 1/3, 6 or
+        more: 1; a Chinese character counts half a word): `reflect` pays reusing the user's
+        content words, which a reply that understood them does in a sentence of its own, not
+        by copying "I'm still upset, ..." back at the user.
+        `unfinished` is 1 for a reply that does not end a sentence: cut off by the token cap
+        mid-sentence, it reads as broken, and a longer reply must not earn more by running on."""
         low = reply.lower()
         words = word_list(reply)
         n = len(reply) or 1
@@ -177,6 +223,9 @@ class RuleBackend:
             "repetition": repetition,
             "echo": echo,
             "dismissive": float(any(k in low for k in _FEATURE_WORDS["dismissive"])),
+            "stacked": min(1.0, max(0, questions(reply) - 1) / 2),
+            "parrot": min(1.0, max(0.0, _copied_run(words, word_list(last_user)) - 3) / 3),
+            "unfinished": float(not ends_sentence(reply)),
         }
 
     def appraise(self, state: UserState, reply: str) -> tuple[int, str]:
@@ -189,7 +238,7 @@ class RuleBackend:
         baseline = self.BASELINE_CHALLENGING if hard else self.BASELINE
         if hard:
             f["garbled"] = 1.0 - f["readable"]
-        pushed = sc.personality_type == "avoidant" and reply.count("?") + reply.count("？") > 1
+        pushed = sc.personality_type == "avoidant" and questions(reply) > 1
         if pushed:
             w["open_question"] = -1.5  # pushed too hard: withdraws
         parts = {k: w[k] * v for k, v in f.items()}

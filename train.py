@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
 import os
 import random
@@ -117,12 +118,14 @@ class Config(PPOConfig, GRPOConfig, RolloutConfig, EngineArgs, SimulatorArgs, Ru
 # value clip 0.5, gamma = lambda = 1: ppo.PPOConfig; temperature 1.0: rollout.RolloutConfig;
 # start at 30: RunArgs above). docs/PAPER_SETUP.md lists every value
 # with its source. A preset lists only what it changes.
+VLLM_IF_INSTALLED = "vllm" if importlib.util.find_spec("vllm") else "hf"
 PRESETS = {
     "tiny": {},  # the dataclass defaults: sized for a 2-core CPU, no think (add --think)
     # SmolLM2-135M-Instruct against the offline rule user, sized for 45 minutes on 2 CPU cores
-    # (docs/LEARNING.md, "Why these values").
-    "smollm2-cpu": dict(model="smollm2", steps=32, batch_size=4, max_turns=3, max_new_tokens=40, actor_lr=1e-4,
-                        actor_warmup_ratio=0.1, critic_lr=1e-4, save_every=8),
+    # (docs/LEARNING.md, "Why these values"); generating with vLLM where it is installed (the
+    # cheaper step), else with generate.
+    "smollm2-cpu": dict(model="smollm2", engine=VLLM_IF_INSTALLED, steps=60, batch_size=4, max_turns=3,
+                        max_new_tokens=40, actor_lr=1e-4, actor_warmup_ratio=0.1, critic_lr=1e-4, save_every=15),
     "paper": dict(model="Qwen/Qwen2.5-7B-Instruct", think=True, simulator="openai", steps=1000, batch_size=32,
                   max_new_tokens=512, max_total_tokens=8192, actor_lr=1e-6, critic_lr=5e-6, actor_warmup_ratio=0.02,
                   critic_warmup_ratio=0.05, entropy_coef=1e-3, micro_batch_size=2, gradient_checkpointing=True,
@@ -205,18 +208,16 @@ def train(cfg: Config) -> dict:
         # ------------------------------------------------------------------------------------
         # 2. Log-probs of the sampled tokens before the policy changes: pi_old, the denominator
         #    of the PPO ratio, and the reference model's when kl_coef > 0 (the paper: 0). When
-        #    the update is ONE optimizer step (one epoch, one minibatch: update.minibatch_rows),
+        #    the update is ONE optimizer step (one epoch, one minibatch: update.minibatch_count),
         #    pi_old is the policy as the update finds it, so the update takes its own detached
-        #    log-probs (ratio 1) and this forward pass is skipped, unless one of the other two
-        #    reasons below needs pi_old: PPO's KL penalty, or a vLLM engine's sampler to compare.
+        #    log-probs (ratio 1) and this forward pass is skipped, unless PPO's KL penalty in the
+        #    reward needs pi_old before the update. (The update then returns the log-probs it
+        #    took as pi_old: the vLLM sampler's mismatch is measured against those.)
         # ------------------------------------------------------------------------------------
         need_old = (needs_old_logprobs(batch, cfg, accelerator)  # more than one optimizer step
-                    or (cfg.algo == "ppo" and ref is not None)  # PPO's KL penalty in the reward: log pi_old - log pi_ref
-                    or engine is not None)  # the trainer's own pi_old, to compare with the engine's (and for TIS)
+                    or (cfg.algo == "ppo" and ref is not None))  # PPO's KL penalty in the reward: log pi_old - log pi_ref
         if (need_old or ref is not None) and len(batch):
             batch = add_logprobs(batch, policy, ref, cfg.micro_batch_size, old=need_old)
-        if engine is not None:  # how far the sampler's log-probs are from the trainer's
-            roll.update(sampler_mismatch(accelerator, batch))
 
         # ------------------------------------------------------------------------------------
         # 3. Update. Advantages first, then the clipped surrogate over shuffled minibatches of
@@ -239,6 +240,10 @@ def train(cfg: Config) -> dict:
             upd = grpo_update(policy, actor_opt, batch, cfg, accelerator, shuffle_rng)
         if not skipped:
             actor_sched.step()
+        pi_old = upd.pop("pi_old", None)  # the update's own pi_old (one optimizer step), else None
+        if engine is not None:  # how far the sampler's log-probs were from the trainer's pi_old
+            roll.update(sampler_mismatch(accelerator, batch if pi_old is None else
+                                         dataclasses.replace(batch, old_logprobs=pi_old)))
         step_time = time.time() - t0
 
         # ------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ else is this file, in the order an update runs:
   1. masked statistics: every sum and mean over tokens goes through the loss mask
                                                      (masked_sum, masked_mean)
   2. the clipped surrogate, and the KL estimators    (clipped_surrogate; kl_penalty)
-  3. how many optimizer steps a rollout makes        (minibatch_rows, needs_old_logprobs)
+  3. how many optimizer steps a rollout makes        (minibatch_count, needs_old_logprobs)
   4. epochs x shuffled minibatches x micro-batches with exact gradient accumulation, one
      optimizer step per minibatch; the algorithm supplies the loss (update_loop)
 
@@ -121,12 +121,14 @@ def kl_penalty(logprobs, ref_logprobs, kind: str = "k1"):
 # optimizer step per turn, as the official code does. Every process cuts its rows into the
 # same number of minibatches, agreed on with one all-reduce of the row count.
 # --------------------------------------------------------------------------------------------
-def minibatch_rows(batch, cfg: UpdateConfig, accelerator=None) -> int:
-    """Rows of this process per minibatch."""
+def minibatch_count(batch, cfg: UpdateConfig, accelerator=None) -> int:
+    """Minibatches (optimizer steps) per epoch: the step's rows over all processes / rows per
+    minibatch, rounded up. Every process holds as many rows (plumbing.distributed.pad_rows) and
+    cuts them into this many nearly equal minibatches (`minibatches`), so the count is exact
+    however the rows fall on the processes; at most one minibatch per row."""
     real_rows = (batch.loss_mask.sum(1) > 0).sum().float()  # padding rows (plumbing.distributed.pad_rows) have no token
     total_rows = all_sum(real_rows, accelerator).item()
-    n_minibatches = max(1, math.ceil(total_rows / (cfg.minibatch_size * cfg.group_size)))
-    return max(1, math.ceil(len(batch) / n_minibatches))
+    return max(1, min(len(batch), math.ceil(total_rows / (cfg.minibatch_size * cfg.group_size))))
 
 
 def needs_old_logprobs(batch, cfg: UpdateConfig, accelerator=None) -> bool:
@@ -134,18 +136,16 @@ def needs_old_logprobs(batch, cfg: UpdateConfig, accelerator=None) -> bool:
     every step after the first sees a policy that has moved since sampling, and the ratio needs
     the rollout's stored old log-probs. With exactly one step, pi_old is the current policy and
     its detached log-probs serve (ratio 1, one forward pass fewer)."""
-    return cfg.epochs > 1 or len(batch) > minibatch_rows(batch, cfg, accelerator)
+    return cfg.epochs > 1 or minibatch_count(batch, cfg, accelerator) > 1
 
 
 def check_old_logprobs(batch, cfg: UpdateConfig, accelerator=None):
     """The on-policy shortcut (old_logprobs=None) is only right for a single optimizer step;
     anywhere else it would silently train with ratio 1 after the policy moved: refuse."""
     if batch.old_logprobs is None and needs_old_logprobs(batch, cfg, accelerator):
-        rows = minibatch_rows(batch, cfg, accelerator)
         raise ValueError(f"old_logprobs=None is only valid for one optimizer step per update, but this one "
-                         f"takes {cfg.epochs} epoch(s) x {math.ceil(len(batch) / rows)} minibatch(es) "
-                         f"({len(batch)} rows, {rows} per minibatch): compute the rollout's old log-probs "
-                         f"first (logprobs.add_logprobs)")
+                         f"takes {cfg.epochs} epoch(s) x {minibatch_count(batch, cfg, accelerator)} minibatch(es) "
+                         f"({len(batch)} rows): compute the rollout's old log-probs first (logprobs.add_logprobs)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,13 +161,18 @@ def update_loop(batch, cfg: UpdateConfig, policy, models, micro_loss, accelerato
     where n_tok / n_seq are the minibatch's token / sequence counts over all processes: dividing
     by them makes the accumulated gradient exactly the whole minibatch's gradient; is_weights
     the truncated importance weights (cfg.rollout_is_cap > 0 and an engine's log-probs), or None.
-    Returns the mean of the minibatches' stats, with `optimizer_steps`."""
+    Returns the mean of the minibatches' stats, with `optimizer_steps`.
+
+    With no stored old log-probs (one optimizer step), `out["pi_old"]` holds the detached
+    log-probs this update took as pi_old ([N, T], on the CPU; the batch is not changed): what
+    reads pi_old after the update (train.py's sampler mismatch) needs no forward pass of its own."""
     check_old_logprobs(batch, cfg, accelerator)
     dev = next(policy.parameters()).device
+    seen = torch.zeros(batch.loss_mask.shape) if batch.old_logprobs is None else None  # pi_old, as taken
     entropy_grad = cfg.entropy_coef > 0
     stats = []
     for _ in range(cfg.epochs):
-        for micro_list in minibatches(len(batch), minibatch_rows(batch, cfg, accelerator), cfg.micro_batch_size,
+        for micro_list in minibatches(len(batch), minibatch_count(batch, cfg, accelerator), cfg.micro_batch_size,
                                       generator):
             mask = batch.loss_mask[torch.cat(micro_list)].float()
             n_tok, n_seq = global_counts(accelerator, mask.sum(), (mask.sum(1) > 0).sum())
@@ -179,6 +184,8 @@ def update_loop(batch, cfg: UpdateConfig, policy, models, micro_loss, accelerato
                 # No stored old log-probs: the update is one optimizer step, so pi_old = pi at
                 # this moment, i.e. the detached current log-probs (ratio 1).
                 old_lp = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
+                if seen is not None:
+                    seen[idx, :old_lp.shape[1]] = old_lp.float().cpu()
                 is_weights = None
                 if cfg.rollout_is_cap and mb.sampler_logprobs is not None:
                     is_weights = truncated_is_weights(old_lp, mb.sampler_logprobs, cfg.rollout_is_cap)
@@ -192,14 +199,16 @@ def update_loop(batch, cfg: UpdateConfig, policy, models, micro_loss, accelerato
             stats.append(minibatch_stats(micro, **grad_norms))
     out = mean_stats(stats)
     out["optimizer_steps"] = len(stats)
+    if seen is not None:
+        out["pi_old"] = seen
     return out
 
 
-def minibatches(n_rows, minibatch_size, micro_batch_size, generator=None):
-    """Shuffled rows -> [[micro-batch row indices, ...] per minibatch]."""
+def minibatches(n_rows, n_minibatches, micro_batch_size, generator=None):
+    """Shuffled rows -> [[micro-batch row indices, ...] per minibatch]: `n_minibatches` of
+    nearly equal size (sizes differ by at most one row)."""
     perm = torch.randperm(n_rows, generator=generator)
-    for s in range(0, n_rows, minibatch_size):
-        mb = perm[s:s + minibatch_size]
+    for mb in torch.tensor_split(perm, n_minibatches):
         yield [mb[k:k + micro_batch_size] for k in range(0, len(mb), micro_batch_size)]
 
 

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from plumbing.checks import InputError
-from plumbing.logs import rollout_stats, trackers
+from plumbing.logs import reply_measures, rollout_stats, trackers
 from rollout import rollout
 from update import all_sum
 
@@ -222,7 +222,10 @@ def gather_rollout_stats(accelerator, batch) -> dict:
     per-dialogue numbers are gathered, so means are over all dialogues and `dialogues` /
     `simulator_errors` are totals (a mean of per-process means would be wrong when the
     processes hold different numbers of valid dialogues)."""
-    light = [{k: v for k, v in m.items() if k not in ("history", "agent_texts")} for m in batch.metrics]
+    # What the replies look like travels as numbers (reply_measures), not as the dialogues' text.
+    light = [{**{k: v for k, v in m.items() if k not in ("history", "agent_texts")},
+              "replies": reply_measures(m["history"], m.get("goal_type", "")) if m["valid"] else []}
+             for m in batch.metrics]
     if accelerator.num_processes > 1:
         light = gather_object(light)
     return rollout_stats(dataclasses.replace(batch, metrics=light))

@@ -18,6 +18,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plumbing.checkpoints import append_line  # noqa: E402
+from rule_user import RuleBackend, content_words, ends_sentence, questions, word_list  # noqa: E402
 
 log = logging.getLogger("train")
 
@@ -39,6 +40,10 @@ def rollout_stats(batch) -> dict:
     violation_rate = None
     if agent_turns:
         violation_rate = sum(m["format_violations"] for m in ok) / agent_turns
+    # What the agent's replies look like, and the rule user's features of them, per step: the
+    # means over the valid dialogues' replies (reply_measures), so gaming shows while it is learned.
+    replies = [r for m in ok for r in (m["replies"] if "replies" in m else
+                                       reply_measures(m.get("history", []), m.get("goal_type", "")))]
     return {
         "reward": mean([m["reward"] for m in ok]),
         "emotion": mean([m["emotion"] for m in ok]),
@@ -50,6 +55,7 @@ def rollout_stats(batch) -> dict:
         "simulator_errors": errors,
         "unappraised": len(ms) - len(ok) - errors,  # dialogues with no appraised turn: no score
         "dialogues": len(ms),
+        **{k: v for k, v in reply_means(replies).items() if k != "replies"},
     }
 
 
@@ -89,6 +95,39 @@ def finite_or_none(value):
     return value
 
 
+AGENT_ROLES = ("assistant", "npc", "agent")  # the agent's turns: ours, and other systems' transcripts
+
+
+def reply_measures(history: list[dict], goal_type: str = "") -> list[dict]:
+    """What each agent reply of one dialogue looks like, to tell empathy from gaming the offline
+    rule user (evaluate.py --reply-stats, and every training step's log): its words, whether it
+    ends a sentence (a reply cut at the token cap does not), its questions, the share of its
+    content words an earlier reply of the dialogue already used (repeat), and each of the rule
+    user's features (rule_user.RuleBackend.features, in [0, 1]; `goal_type` for `goal`)."""
+    rule, used, earlier, out = RuleBackend(), set(), "", []
+    for k, m in enumerate(history):
+        if m.get("role") not in AGENT_ROLES:
+            continue
+        text = m["content"]
+        last_user = next((h["content"] for h in reversed(history[:k]) if h.get("role") == "user"), "")
+        content = content_words(text)
+        out.append({"words": len(word_list(text)), "ends_sentence": float(ends_sentence(text)),
+                    "questions": questions(text), "repeat": len(content & used) / len(content) if content else 0.0,
+                    **{f"rule_{f}": v for f, v in rule.features(text, last_user, goal_type, earlier).items()}})
+        used |= content
+        earlier += " " + text
+    return out
+
+
+def reply_means(measures: list[dict]) -> dict:
+    """Per-reply measures (reply_measures) of many dialogues -> their means over the replies."""
+    if not measures:
+        return {}
+    names = {"words": "words_per_reply", "ends_sentence": "sentence_share", "questions": "questions_per_reply",
+             "repeat": "repeat_rate"}
+    return {"replies": len(measures), **{names.get(k, k): mean([m[k] for m in measures]) for k in measures[0]}}
+
+
 def warn_empty_step(step: int, roll: dict):
     """A step with no row to train on (every dialogue failed or none was appraised) makes no
     update (log-probs of zero rows do not exist): a warning here, `update_skipped` = 1 in
@@ -101,30 +140,50 @@ CURVES = [("reward", "mean reward (final emotion / 100)"), ("response_length", "
           ("format_violation_rate", "format violations per agent turn")]
 
 
+# The fourth panel: what the replies look like (each a share or a feature in [0, 1], the mean per
+# reply): what the rule user pays for, and the ways of gaming it that it docks.
+FEATURE_CURVES = [("rule_acknowledge", "acknowledge"), ("rule_reflect", "reflect"),
+                  ("rule_open_question", "open question"), ("rule_goal", "goal"), ("rule_echo", "echo"),
+                  ("rule_stacked", "stacked questions"), ("rule_parrot", "parrot"),
+                  ("sentence_share", "ends a sentence")]
+
+
+def _moving_average(values, k):
+    return [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
+
+
 def plot_curve(metrics_path, png_path, title):
-    """Per step, with a moving average: the mean reward, the agent's reply length and the share
-    of its turns that broke the format -> one PNG of three panels."""
+    """Per step, with a moving average: the mean reward, the agent's reply length, the share of
+    its turns that broke the format and, when logged, what its replies look like to the rule
+    user (FEATURE_CURVES, moving averages) -> one PNG of three or four panels."""
     # A value that is null (a step with no valid dialogue, or no agent turn) is not plotted in
     # its panel (not drawn as 0).
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if not any(r.get("reward") is not None for r in rows):
         return
-    k = max(1, len(rows) // 10)
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(13, 3.5))
+    k = max(1, len(rows) // 10)  # the moving average: the last k steps up to each one
+    features = [(key, label) for key, label in FEATURE_CURVES if any(r.get(key) is not None for r in rows)]
+    fig, axes = plt.subplots(1, len(CURVES) + bool(features), figsize=(13 + 4.5 * bool(features), 3.5))
     for ax, (key, label) in zip(axes, CURVES):
         kept = [r for r in rows if r.get(key) is not None]
         steps, values = [r["step"] for r in kept], [r[key] for r in kept]
         ax.plot(steps, values, alpha=0.5, label="per step")
-        smooth = []
-        for i in range(len(values)):
-            window = values[max(0, i - k + 1):i + 1]  # the last k steps up to this one
-            smooth.append(sum(window) / len(window))
-        ax.plot(steps, smooth, lw=2, label=f"moving average ({k} steps)")
+        ax.plot(steps, _moving_average(values, k), lw=2, label=f"moving average ({k} steps)")
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    if features:
+        ax = axes[-1]
+        for key, label in features:
+            kept = [r for r in rows if r.get(key) is not None]
+            ax.plot([r["step"] for r in kept], _moving_average([r[key] for r in kept], k), lw=1.5, label=label)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"share of replies / feature ({k}-step average)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)

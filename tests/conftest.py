@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 
@@ -7,6 +8,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The official SAGE/RLVER scenario files are not in the repo; they sit in shared/ beside the
 # checkout when available (RLVER_DATA overrides).
 OFFICIAL_DATA = os.environ.get("RLVER_DATA", os.path.join(ROOT, "..", "shared", "data", "rlver"))
+
+
+def vllm_here() -> bool:
+    """vLLM is installed, or required (CI sets RLVER_REQUIRE_VLLM=1: there a test that needs it
+    must run and fail, never skip, when it is missing)."""
+    return os.environ.get("RLVER_REQUIRE_VLLM") == "1" or importlib.util.find_spec("vllm") is not None
 
 
 def bad_json_files(tmp_path) -> dict:

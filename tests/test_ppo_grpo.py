@@ -239,19 +239,28 @@ def test_on_policy_update_without_stored_old_logprobs_is_identical(algo):
     b = synthetic_batch(model, tok, n=6, seed=5)
     exact = b.__class__(**{**b.__dict__, "old_logprobs": add_logprobs(b, model).old_logprobs, "ref_logprobs": None})
     missing = b.__class__(**{**b.__dict__, "old_logprobs": None, "ref_logprobs": None})
-    grads = []
+    grads, outs = [], []
     for batch in (exact, missing):
         opt = Capture(model.parameters())
         if algo == "grpo":
-            grpo_update(model, opt, batch, GRPOConfig(minibatch_size=6, micro_batch_size=3), generator=torch.Generator().manual_seed(0))
+            out = grpo_update(model, opt, batch, GRPOConfig(minibatch_size=6, micro_batch_size=3),
+                              generator=torch.Generator().manual_seed(0))
         else:
             critic = ValueModel.from_config(model.config)
             torch.manual_seed(0)
-            ppo_update(model, critic, (opt, Capture(critic.parameters())), batch, PPOConfig(minibatch_size=6, micro_batch_size=3),
-                       generator=torch.Generator().manual_seed(0))
+            out = ppo_update(model, critic, (opt, Capture(critic.parameters())), batch,
+                             PPOConfig(minibatch_size=6, micro_batch_size=3), generator=torch.Generator().manual_seed(0))
         grads.append(opt.grads[0])
+        outs.append(out)
     for a, c in zip(*grads):
         assert torch.allclose(a, c, atol=1e-6, rtol=1e-4)
+    # Issue 39: the update returns the log-probs it took as pi_old, equal to a separate pass's
+    # (add_logprobs, before the update): the sampler mismatch needs no pass of its own. It
+    # changes no batch, and with stored old log-probs it returns none.
+    mask = b.loss_mask.bool()
+    pi_old = outs[1]["pi_old"]
+    assert missing.old_logprobs is None and "pi_old" not in outs[0] and pi_old.shape == exact.old_logprobs.shape
+    assert torch.allclose(pi_old[mask], exact.old_logprobs[mask], atol=1e-5)
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
@@ -345,14 +354,16 @@ def test_grpo_entropy_bonus_is_applied_like_ppo():
 def test_per_turn_rows_make_about_one_optimizer_step_per_turn():
     """Issue 29: the official think mode counts its minibatch (32 prompts x n) in turn-rows, so a
     rollout makes about as many optimizer steps as a dialogue has turns; ours made one."""
-    from update import UpdateConfig, minibatch_rows, needs_old_logprobs
+    from update import UpdateConfig, minibatch_count, needs_old_logprobs
     # 4 scenarios x 1 dialogue x 3 turns = 12 turn-rows; minibatch 4 scenarios: 3 optimizer steps
     rows = [([1, 2, 3], [0, 1, 1], 0.5, d, d * 3 + t) for d in range(4) for t in range(3)]
     b = collate(rows, 0)
     cfg = UpdateConfig(minibatch_size=4, group_size=1)
-    assert minibatch_rows(b, cfg) == 4 and needs_old_logprobs(b, cfg)
+    assert minibatch_count(b, cfg) == 3 and needs_old_logprobs(b, cfg)
     one = collate(rows[::3], 0)  # one row per dialogue: one step, no stored old log-probs needed
-    assert minibatch_rows(one, cfg) == 4 and not needs_old_logprobs(one, cfg)
+    assert minibatch_count(one, cfg) == 1 and not needs_old_logprobs(one, cfg)
+    # 10 turn-rows, minibatch 4: 3 optimizer steps, however many rows each holds (4, 3, 3)
+    assert minibatch_count(collate(rows[:10], 0), cfg) == 3
 
 
 def test_truncated_importance_sampling_against_an_independent_computation():

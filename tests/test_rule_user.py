@@ -2,6 +2,8 @@
 import dataclasses
 import os
 
+import pytest
+
 from conftest import ROOT
 from plumbing.scenarios import load_scenarios
 from rule_user import RuleBackend, emotion_level
@@ -101,3 +103,87 @@ def test_the_rule_user_does_not_reward_a_stock_line_said_again():
     sim = Simulator(RuleBackend(), initial_emotion=40, max_turns=2)
     same = sim.step(sim.step(sim.reset(sc(goal_type="empathy")), line), line)
     assert same.trace[1]["change"] < same.trace[0]["change"] and "echo -3.00" in same.trace[1]["reasoning"]
+
+
+def expected_change(f: dict) -> float:
+    """The rule user's change before rounding, for a user with no personality multiplier."""
+    return RuleBackend.BASELINE + sum(RuleBackend.WEIGHTS[k] * v for k, v in f.items())
+
+
+def test_the_rule_user_docks_a_stack_of_questions():
+    """Issue 39: a SmolLM2 run learned to ask four or five questions in one reply, since the
+    rule user paid a question once whatever the count. One open question still pays; each
+    question after it is docked (`stacked`), so the stack earns less than the single one."""
+    f = RuleBackend().features
+    one = "That sounds really hard. How does that feel?"
+    stack = "That sounds really hard. How does that feel? Is that a choice? How can that happen? How can that bother you?"
+    assert f(one, "", "empathy")["stacked"] == 0.0 and f(one, "", "empathy")["open_question"] == 1.0
+    assert f("How does that feel? What happened?", "", "empathy")["stacked"] == 0.5
+    assert f("你还好吗？发生了什么？", "", "empathy")["stacked"] == 0.5
+    assert f(stack, "", "empathy")["stacked"] == 1.0
+    assert expected_change(f(stack, "", "empathy")) < expected_change(f(one, "", "empathy"))
+    sim = Simulator(RuleBackend(), initial_emotion=40, max_turns=2)
+    assert "stacked -2.00" in sim.step(sim.reset(sc(goal_type="empathy", personality_type="")),
+                                       stack).trace[0]["reasoning"]
+
+
+def test_the_rule_user_docks_a_reply_cut_off_mid_sentence():
+    """Issue 39: replies that ran into the 40-token cap mid-sentence were paid like finished ones
+    (and a longer reply collects more keywords). `unfinished` docks a reply that ends no sentence."""
+    f = RuleBackend().features
+    assert f("That sounds hard. What happened?", "", "")["unfinished"] == 0.0
+    assert f('He said "I\'m done."', "", "")["unfinished"] == 0.0  # a closing quote may follow
+    assert f("我明白。", "", "")["unfinished"] == 0.0
+    cut = "That sounds hard. What happened when you went to"
+    assert f(cut, "", "")["unfinished"] == 1.0 and f("", "", "")["unfinished"] == 1.0
+    assert expected_change(f(cut, "", "empathy")) < expected_change(f("That sounds hard. What happened?", "", "empathy"))
+
+
+def test_the_rule_user_does_not_pay_its_own_words_said_back():
+    """Issue 39: with stacked questions docked, a SmolLM2 run learned to copy the user's last
+    message back ("I'm still upset, ..."), which `reflect` (the user's content words reused)
+    paid in full. `parrot` docks a verbatim run of 4 or more of the user's words, so a reply
+    that reflects the same words in a sentence of its own earns more than the copy."""
+    f = RuleBackend().features
+    user = "I'm still upset, I keep thinking about what she said."
+    copy = "I'm still upset, I keep thinking about what she said. That sounds hard."
+    own = "It sounds like her words are still with you. What part of it hurts most?"
+    assert f(copy, user, "empathy")["parrot"] == 1.0 and f(copy, user, "empathy")["reflect"] == 1.0
+    assert f(own, user, "empathy")["parrot"] == 0.0 and f(own, user, "empathy")["reflect"] == 1.0
+    assert f("So you keep thinking about it.", user, "empathy")["parrot"] == 0.0  # 3 words refer, not copy
+    assert f("You keep thinking about what happened.", user, "empathy")["parrot"] == pytest.approx(1 / 3)
+    assert expected_change(f(copy, user, "empathy")) < expected_change(f(own, user, "empathy"))
+    # a Chinese character counts half a word: 6 characters copied are 3 words, not a parrot
+    assert f("你一直很难过", "我一直很难过，睡不着", "empathy")["parrot"] == 0.0
+    assert f("我一直很难过，晚上睡不着觉", "我一直很难过，晚上睡不着觉", "empathy")["parrot"] == 1.0
+    sim = Simulator(RuleBackend(), initial_emotion=40, max_turns=3)
+    state = sim.reset(sc(goal_type="empathy", personality_type="", first_message=user))
+    assert "parrot -3.00" in sim.step(state, copy).trace[0]["reasoning"]
+
+
+# The trained SmolLM2's replies to the held-out scenario en-043 (docs/LEARNING.md, from the run
+# before this user docked stacks and cut-offs), and the user's line they answered.
+EN043_USER = "I keep seeing that house. I haven't told anyone."
+EN043_TRAINED = [
+    "Hey, that feels really overwhelming. How can that be helpful? I'm sorry. How that makes sense? What makes you "
+    "find a custom dwelling? My house looks neat. Is this your grandi",
+    "It can feel overwhelming. How does that feel? Is that a choice? Are you becoming stressed about your appearance "
+    "or personal preferences? It feels urgent. How can that happen? How can that bother you",
+]
+
+
+@pytest.mark.parametrize("user", ["standard", "challenging"])
+def test_a_finished_reply_with_one_question_beats_the_gamed_replies_of_the_earlier_run(user):
+    """Issue 39: checked against the earlier run's transcript: its stacked, cut-off replies now
+    earn less than a finished reply with one open question that names the feeling and the topic,
+    for the standard user and the challenging one (its own weights)."""
+    good = "That sounds really painful, seeing that house again. What about it stays with you most?"
+    r = RuleBackend()
+
+    def change(reply):  # the mean over the stochastic rounding, as in test_rule_challenging_user...
+        st = UserState(scenario=sc(goal_type="empathy", personality_type=""), emotion=50, user=user,
+                       history=[{"role": "user", "content": EN043_USER}, {"role": "assistant", "content": reply}])
+        return sum(r.appraise(dataclasses.replace(st, scenario=dataclasses.replace(st.scenario, id=str(k))), reply)[0]
+                   for k in range(40)) / 40
+    for gamed in EN043_TRAINED:
+        assert change(gamed) < change(good) - 1.5, (gamed, change(gamed), change(good))

