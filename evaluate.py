@@ -62,7 +62,7 @@ from judge import (STRATEGIES, LLMJudge, RuleJudge, capability_summary, judge_al
 from plumbing import models  # noqa: E402
 from plumbing.backends import (Asker, CachedBackend, EndpointError, OpenAIBackend, SimulatorArgs, describe,  # noqa: E402
                                identity, make_backend, make_simulator)
-from plumbing.checks import InputError, check_model_arg, make_output_dir  # noqa: E402
+from plumbing.checks import InputError, check_model_arg, lock_output_dir, make_output_dir  # noqa: E402
 from plumbing.checkpoints import SaveError, append_line, written_atomically  # noqa: E402
 from plumbing.engines import EngineArgs, VLLMEngine, engine_problem  # noqa: E402
 from plumbing.logs import AGENT_ROLES, mean, reply_means, reply_measures  # noqa: E402
@@ -99,10 +99,24 @@ def summarize(records: list[dict]) -> dict:
 _EMOTION_KEYS = ("emotion", "final_emotion", "emo_point", "emo", "score")
 
 
+# What the summary's success and failure mean (printed under the table): one definition for
+# both rule sets. Under --rules sage a dialogue ends at 100, so "reached 100" is SAGE's success;
+# under --rules rlver the dialogue goes on after 100 (the emotion is capped there), and reaching
+# it is a success all the same (SAGE's definition), even if the emotion sinks again afterwards.
+OUTCOMES = {"sage": "success: the emotion reached 100; failure: the dialogue ended below 10 (--rules sage)",
+            "rlver": "success: the emotion reached 100 at some turn (the dialogue goes on); failure: it ended "
+                     "at or below 0 (--rules rlver)",
+            None: "success: final emotion >= 100; failure: final emotion < 10 (SAGE's thresholds, for files "
+                  "without our outcomes)"}
+
+
 def ended(record: dict, how: str) -> bool:
-    """Did the dialogue end in success or failure? Ours say so (`outcome`, as its --rules ended
-    it); another system's result is read by SAGE's thresholds (>= 100 success, < 10 failure)."""
+    """Did the dialogue succeed (its emotion reached 100) or fail (it ended by its rules'
+    failure)? Ours say how it ended (`outcome`) and carry the emotion trace; another system's
+    result is read by SAGE's thresholds (>= 100 success, < 10 failure)."""
     if "outcome" in record:
+        if how == "success":
+            return record["outcome"] == "success" or max([record["emotion"], *record["emotion_trace"]]) >= 100
         return record["outcome"] == how
     return record["emotion"] >= 100 if how == "success" else record["emotion"] < 10
 
@@ -120,10 +134,18 @@ def normalize_record(obj: dict, where: str) -> dict:
     ours = "outcome" in obj and "scenario_id" in obj
     if not (obj[key] <= 100 and (math.isfinite(obj[key]) if ours else obj[key] >= 0)):  # NaN fails both
         raise ValueError(f"{where}: final emotion {obj[key]!r} is not in [{'-inf' if ours else 0}, 100]")
-    hist = obj.get("history") or obj.get("dialog") or []
+    hist_key = "history" if obj.get("history") else "dialog"
+    hist = obj.get(hist_key) or []
     if not isinstance(hist, list):
-        raise ValueError(f"{where}: 'history'/'dialog' must be a list of messages")
-    agent = [m["content"] for m in hist if isinstance(m, dict) and m.get("role") in AGENT_ROLES]
+        raise ValueError(f"{where}: '{hist_key}' must be a list of messages")
+    for i, m in enumerate(hist):  # every message a {"role": str, "content": str}: read by --reply-stats and judges
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: {hist_key}[{i}] is a {type(m).__name__}, not a message object")
+        for field_name in ("role", "content"):
+            if not isinstance(m.get(field_name), str):
+                problem = "no" if field_name not in m else f"a {type(m[field_name]).__name__} as its"
+                raise ValueError(f"{where}: {hist_key}[{i}] has {problem} '{field_name}' (a string is needed)")
+    agent = [m["content"] for m in hist if m["role"] in AGENT_ROLES]
     turns = obj.get("turns", len(agent))
     if not isinstance(turns, int) or isinstance(turns, bool) or turns < 0:
         raise ValueError(f"{where}: 'turns' must be a non-negative integer, got {turns!r:.40}")
@@ -132,8 +154,6 @@ def normalize_record(obj: dict, where: str) -> dict:
         if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                               and math.isfinite(x) for x in v):
             raise ValueError(f"{where}: '{k}' must be a list of numbers")
-    if not all(isinstance(a, str) for a in agent):
-        raise ValueError(f"{where}: message contents must be strings")
     return {**obj, "emotion": float(obj[key]), "turns": turns,
             "emotion_trace": obj.get("emotion_trace") or obj.get("emo_trace") or [],
             "reply_lengths": obj.get("reply_lengths", [len(a) for a in agent]),
@@ -141,22 +161,34 @@ def normalize_record(obj: dict, where: str) -> dict:
 
 
 def load_transcripts(path: str) -> list[dict]:
-    """A JSONL file (one dialogue per line) or a JSON list. Errors name file and line."""
+    """A JSONL file (one dialogue per line) or a JSON list. Errors name file and line. A
+    dialogue id (ours: scenario_id; SAGE's: id) appears once: a score counts each dialogue once."""
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such transcript file")
-    try:
-        text = open(path, encoding="utf-8").read()
+    try:  # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the JSON
+        text = open(path, encoding="utf-8-sig").read()
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
     if text.lstrip().startswith("["):
         rows = json_line(text, path)
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a JSON list of dialogues")
-        return [normalize_record(r, f"{path}[{i}]") for i, r in enumerate(rows)]
-    out = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            out.append(normalize_record(json_line(line, f"{path}:{lineno}"), f"{path}:{lineno}"))
+        items = [(f"{path}[{i}]", f"item [{i}]", r) for i, r in enumerate(rows)]
+    else:
+        # JSONL splits at "\n" only: str.splitlines() also splits at U+2028, U+2029 and U+0085,
+        # which a JSON string may hold unescaped (SAGE's o4-mini file has seven U+2028).
+        items = [(f"{path}:{n}", f"line {n}", json_line(line, f"{path}:{n}"))
+                 for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    out, seen = [], {}
+    for where, place, row in items:
+        rec = normalize_record(row, where)
+        key = rec.get("scenario_id", rec.get("id"))
+        if isinstance(key, str):
+            if key in seen:
+                raise ValueError(f"{path}: dialogue {key!r} appears twice ({seen[key]} and {place}): a score "
+                                 f"counts each dialogue once")
+            seen[key] = place
+        out.append(rec)
     return out
 
 
@@ -251,13 +283,29 @@ SAGE_SIMULATOR = "DeepSeek-V3 (2024-12-27)"  # the simulated user of SAGE's rele
 
 
 def load_leaderboard(folder: str) -> dict[str, list[dict]]:
-    """Every *.jsonl file of `folder` (e.g. SAGE's *_result.jsonl) -> {label: records}."""
+    """Every *.jsonl file of `folder` (e.g. SAGE's *_result.jsonl) -> {label: records}, each file
+    named in the log. Refused with one line: two files under one label (gpt-4.1.jsonl beside
+    gpt-4.1_result.jsonl), and files of different profile sets (a 10-profile file would rank
+    beside 100-profile ones): only runs of the same profiles compare."""
     if not os.path.isdir(folder):
         raise ValueError(f"--leaderboard {folder}: no such folder")
     files = sorted(f for f in os.listdir(folder) if f.endswith(".jsonl"))
     if not files:
         raise ValueError(f"--leaderboard {folder}: no .jsonl result files there")
-    return {f[:-len(".jsonl")].removesuffix("_result"): load_transcripts(os.path.join(folder, f)) for f in files}
+    board, source = {}, {}
+    for f in files:
+        label = f[:-len(".jsonl")].removesuffix("_result")
+        if label in board:
+            raise ValueError(f"--leaderboard {folder}: {source[label]} and {f} are both {label!r}: keep one")
+        board[label], source[label] = load_transcripts(os.path.join(folder, f)), f
+    first = files[0].removesuffix(".jsonl").removesuffix("_result")
+    for label, records in board.items():
+        if profile_ids(records) != profile_ids(board[first]):
+            raise ValueError(f"--leaderboard {folder}: {source[label]} played {len(profile_ids(records))} profiles "
+                             f"and {source[first]} {len(profile_ids(board[first]))}, not the same ids: a leaderboard "
+                             f"ranks runs of the same profiles")
+    log.info("leaderboard %s: %s", folder, ", ".join(f"{source[k]} ({k}, {len(v)} dialogues)" for k, v in board.items()))
+    return board
 
 
 def profile_ids(records: list[dict]) -> set:
@@ -274,7 +322,12 @@ def check_same_profiles(board: dict[str, list[dict]], ids: set, folder: str):
 
 
 def format_leaderboard(results: dict[str, list[dict]], ours: list[str]) -> str:
-    """Rank, Sentient score (half up, as published), successes and failures (counts), best first."""
+    """Rank, Sentient score (half up, as published), successes and failures (counts), best first;
+    the most agent turns of any dialogue, and a mark (+) on a leaderboard file played to another
+    turn limit than most of the others (not comparable)."""
+    longest = {name: max((r["turns"] for r in recs), default=0) for name, recs in results.items()}
+    theirs = [longest[n] for n in results if n not in ours]
+    usual = max(set(theirs), key=theirs.count) if theirs else None
     rows = []
     for name, recs in results.items():
         s = summarize(recs)
@@ -282,9 +335,13 @@ def format_leaderboard(results: dict[str, list[dict]], ours: list[str]) -> str:
             continue
         rows.append((s["sentient_score"], name, s))
     rows.sort(key=lambda r: -r[0])
-    table = [[f"{k:>2}. {'* ' if name in ours else ''}{name}", half_up(score), str(round(s["success_rate"] * s["scored"])),
-              str(round(s["failure_rate"] * s["scored"])), str(s["scored"])] for k, (score, name, s) in enumerate(rows, 1)]
-    return render_table(["rank, model (* this run)", "Sentient", "success", "failure", "n"], table)
+    table = [[f"{k:>2}. {'* ' if name in ours else ''}{name}{' (+)' if name not in ours and longest[name] != usual else ''}",
+              half_up(score), str(round(s["success_rate"] * s["scored"])), str(round(s["failure_rate"] * s["scored"])),
+              str(s["scored"]), str(longest[name])] for k, (score, name, s) in enumerate(rows, 1)]
+    out = render_table(["rank, model (* this run)", "Sentient", "success", "failure", "n", "max turns"], table)
+    if any(n not in ours and longest[n] != usual for n in results):
+        out += f"\n(+) played to another turn limit than the others' {usual} agent replies: not comparable"
+    return out
 
 
 def plot_leaderboard(results: dict[str, list[dict]], ours: list[str], png: str):
@@ -325,8 +382,15 @@ def format_strategy_table(stats: dict[str, dict]) -> str:
 
 def plot(results: dict[str, list[dict]], png: str, max_turns: int = 10):
     """Left: mean emotion by turn with the 25-75% band (a dialogue that ended keeps its final
-    emotion). Right: histogram of final emotions."""
+    emotion). Right: histogram of final emotions. Both axes cover every value given (--rules
+    rlver has no floor: an emotion can end below 0). Returns the two emotion axes' ranges and
+    how many final emotions the histogram counts."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    values = [e for recs in results.values() for r in recs if r.get("valid", True)
+              for e in [r["emotion"], *(r.get("emotion_trace") or [])]]
+    lo = min([0.0, *values])  # 0, or the lowest value given
+    bins = np.linspace(lo, 100, 21) if lo == 0 else np.arange(5 * math.floor(lo / 5), 105, 5)
+    counted = 0
     for name, recs in results.items():
         traces = [r["emotion_trace"] for r in recs if r.get("valid", True) and r.get("emotion_trace")]
         if traces:
@@ -336,8 +400,8 @@ def plot(results: dict[str, list[dict]], png: str, max_turns: int = 10):
             a1.plot(x, m.mean(0), label=name, lw=2)
             a1.fill_between(x, np.percentile(m, 25, 0), np.percentile(m, 75, 0), alpha=0.2)
         finals = [r["emotion"] for r in recs if r.get("valid", True)]
-        a2.hist(finals, bins=np.linspace(0, 100, 21), alpha=0.5, label=name)
-    a1.set(xlabel="turn", ylabel="emotion", ylim=(0, 100), title="emotion trajectory (mean, 25-75%)")
+        counted += int(sum(a2.hist(finals, bins=bins, alpha=0.5, label=name)[0]))
+    a1.set(xlabel="turn", ylabel="emotion", ylim=(lo, 100), title="emotion trajectory (mean, 25-75%)")
     a2.set(xlabel="final emotion", ylabel="dialogues", title="final emotions")
     for a in (a1, a2):
         a.grid(alpha=0.3)
@@ -346,6 +410,7 @@ def plot(results: dict[str, list[dict]], png: str, max_turns: int = 10):
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+    return a1.get_ylim(), a2.get_xlim(), counted
 
 
 # --------------------------------------------------------------------------------------------
@@ -455,15 +520,20 @@ def play(policy, tok, sim, scenarios, args, transcript_path: str, label: str, do
 
 
 def protocol(args, prompt_record: dict, backend, model: str) -> dict:
-    """Everything that decides a model's dialogues besides its weights: recorded beside its
+    """Everything that decides a model's dialogues, its weights included: recorded beside its
     transcripts (<label>/protocol.json). A rerun reuses finished dialogues only under the same
-    protocol, simulated user and scenario file (check_protocol)."""
+    protocol, simulated user, scenario file and weights (check_protocol). Every setting that can
+    change how a dialogue ends is here: the turn limit, the rules, the token limits (a dialogue
+    stops at --max-total-tokens, with vLLM at --vllm-max-model-len or the model's positions:
+    the weights' config.json is part of their fingerprint)."""
     with open(args.scenarios, "rb") as f:
         scenarios_sha256 = hashlib.sha256(f.read()).hexdigest()
-    return {"model": model, "scenarios": os.path.abspath(args.scenarios), "scenarios_sha256": scenarios_sha256,
+    return {"model": model, "weights": models.weights_fingerprint(model),
+            "scenarios": os.path.abspath(args.scenarios), "scenarios_sha256": scenarios_sha256,
             "user": args.user, "rules": args.rules, "initial_emotion": args.initial_emotion, "max_turns": args.max_turns,
             "think": args.think, "temperature": args.temperature, "seed": args.seed, "engine": args.engine,
             "max_new_tokens": args.max_new_tokens, "max_total_tokens": args.max_total_tokens,
+            "vllm_max_model_len": args.vllm_max_model_len if args.engine == "vllm" else None,
             "eval_prompt": prompt_record, "simulator": identity(backend)}
 
 
@@ -482,6 +552,10 @@ def check_protocol(folder: str, proto: dict):
         return
     if not isinstance(old, dict):
         why = "no readable protocol.json beside them"
+    elif set(old) - set(proto):  # written by another version of evaluate.py
+        why = f"protocol.json records {sorted(set(old) - set(proto))[0]!r}, which this version does not"
+    elif "weights" in old and old["weights"] != proto["weights"] and old.get("model") == proto["model"]:
+        why = f"the weights at {proto['model']} changed since they were played"
     else:
         key = next(k for k in proto if old.get(k) != proto[k])
         then, now = old.get(key), proto[key]
@@ -609,6 +683,9 @@ def main(argv=None):
             if board:
                 check_same_profiles(board, {sc.id for sc in scenarios}, args.leaderboard)
         make_output_dir("--output-dir", args.output_dir)
+        # One evaluation per output directory: two at once would play and pay every dialogue
+        # twice and write each id twice into the same transcripts (held until this process exits).
+        lock = lock_output_dir(args.output_dir)  # noqa: F841 (kept referenced: the lock lives with it)
         # An earlier run's finished dialogues, if played under this protocol, read (and a cut last
         # line dropped) before any model loads.
         protocols = {label: protocol(args, prompt_record, backend, m) for m, label in zip(args.model, labels)}
@@ -681,8 +758,10 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
     strategies = {name: strategy_stats(recs) for name, recs in results.items()}
     summaries = {name: {**summarize(recs), **retries.get(name, {}), **capability_summary(recs)}
                  for name, recs in results.items()}
+    outcomes = OUTCOMES[args.rules if args.model else None]
     if summaries:
         print(format_table(summaries))
+        print(outcomes)
     if any(strategies.values()):
         print()
         print(format_strategy_table(strategies))
@@ -693,7 +772,8 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
         print(format_reply_stats(replies))
     with written_atomically(os.path.join(args.output_dir, "summary.json")) as tmp, open(tmp, "w") as f:
         # The sampling recipe is complete: the models' own generation_config.json is never used.
-        json.dump({"protocol": {"user": args.user, "rules": args.rules, "initial_emotion": args.initial_emotion,
+        json.dump({"protocol": {"user": args.user, "rules": args.rules, "outcomes": outcomes,
+                                "initial_emotion": args.initial_emotion,
                                 "max_turns": args.max_turns,
                                 "think": args.think, "temperature": args.temperature, "seed": args.seed,
                                 "sampling": sampling_settings(RolloutConfig(temperature=args.temperature)),

@@ -45,6 +45,7 @@ from plumbing.backends import EndpointError, SimulatorArgs, describe, make_simul
 from plumbing.checkpoints import SaveError, resume_hint, resume_if_asked, save_checkpoint, save_final
 from plumbing.checks import InputError, checked_backend, lock_output_dir, make_output_dir, validate
 from plumbing.distributed import (gather_rollout_stats, make_accelerator, make_generation_copy, pad_to_equal_rows,
+                                  process_group_timeout,
                                   reduce_stats, run_rollout, sampler_mismatch)
 from plumbing.engines import EngineArgs, VLLMEngine
 from plumbing.logs import fmt, plot_curve, warn_empty_step, write_logs
@@ -100,6 +101,10 @@ class RunArgs:
         "help": "seed of the scenarios' order, the sampling, the minibatch order and the tiny model's weights"})
     report_to: str = field(default="auto", metadata={
         "help": "auto (tensorboard if installed) | none | tensorboard,wandb"})
+    process_group_timeout: float = field(default=0.0, metadata={
+        "help": "several processes: seconds a process may wait for the others at a collective before the "
+                "run stops (torch's own: 10 min with NCCL); 0: from the rollout's worst case, "
+                "plumbing.distributed.process_group_timeout"})
 
 
 @dataclass
@@ -154,8 +159,10 @@ def train(cfg: Config) -> dict:
     # and accelerate upcasts the sharded trainable weights to fp32; otherwise load in fp32.
     policy, tok, critic, ref, attn = load_models(cfg, dtype, train_dtype=dtype if fsdp else torch.float32)
     if accelerator.is_main_process:
-        log.info("policy %s | simulated user: %s, %s user | attention: %s | precision: %s | processes: %d",
-                 cfg.model, describe(backend), cfg.user, attn, mp, accelerator.num_processes)
+        log.info("policy %s | simulated user: %s, %s user | attention: %s | precision: %s | processes: %d%s",
+                 cfg.model, describe(backend), cfg.user, attn, mp, accelerator.num_processes,
+                 f" (a collective waits at most {process_group_timeout(cfg):.0f} s)"
+                 if accelerator.num_processes > 1 else "")
         log.info("preset %s, %s: %s", cfg.preset, cfg.algo, " ".join(f"{k}={v}" for k, v in recipe(cfg).items()))
     # AdamW with a linear warmup, actor and critic separately (official RLVER: 2% and 5%). One
     # prepare call per model: FSDP2 shards one model per call and re-points that model's

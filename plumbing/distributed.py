@@ -15,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import datetime
 import functools
+import math
 import os
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object
 from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -41,13 +43,38 @@ def make_accelerator(cfg):
     mp = cfg.mixed_precision
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() else "no"
+    pg = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=process_group_timeout(cfg)))
     accelerator = Accelerator(mixed_precision=mp, log_with=trackers(cfg), project_dir=cfg.output_dir,
-                              step_scheduler_with_optimizer=False)
+                              step_scheduler_with_optimizer=False, kwargs_handlers=[pg])
     check_launch(accelerator)
     if cfg.batch_size % accelerator.num_processes:
         raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes "
                          f"({accelerator.num_processes})")
     return accelerator, mp, accelerator.distributed_type == DistributedType.FSDP
+
+
+def process_group_timeout(cfg) -> float:
+    """Seconds a process may wait for the others at a collective (--process-group-timeout, else
+    derived). After each rollout the processes meet (pad_to_equal_rows, the stats): one whose
+    dialogues ended early waits there for the slowest process's simulator calls. torch's default
+    (10 min with NCCL; accelerate passes none) is shorter than a slow hosted simulator can take,
+    and the NCCL watchdog would end the job. Derived from the rollout's worst case: a process's
+    dialogues in waves of --simulator-concurrency, each making at most 2 x --max-turns + 1 calls
+    (an opening, then an appraisal and an answer per turn) of at most --simulator-call-budget
+    seconds; twice that, plus 10 minutes for generation and the update, and never below TRL's
+    default of 30 minutes (the offline rule user makes no call: 30 minutes)."""
+    if not (math.isfinite(cfg.process_group_timeout) and cfg.process_group_timeout >= 0):
+        raise InputError(f"--process-group-timeout {cfg.process_group_timeout}: must be a finite number of "
+                         f"seconds >= 0 (0: derived)")
+    if cfg.process_group_timeout > 0:
+        return float(cfg.process_group_timeout)
+    if cfg.simulator == "rule":
+        return 1800.0
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    dialogues = math.ceil(cfg.batch_size * cfg.group_size / processes)
+    waves = math.ceil(dialogues / cfg.simulator_concurrency)
+    worst = waves * (2 * cfg.max_turns + 1) * cfg.simulator_call_budget
+    return max(1800.0, 2 * worst + 600.0)
 
 
 def check_launch(accelerator):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import math
 import os
 import queue
 import shutil
@@ -61,8 +62,8 @@ def engine_problem(args, model: str, cuda: bool) -> str | None:
         return None
     if not 0 < args.vllm_gpu_memory <= 1:
         return f"--vllm-gpu-memory {args.vllm_gpu_memory}: must be in (0, 1]"
-    if not args.vllm_kv_cache_gb > 0:
-        return f"--vllm-kv-cache-gb {args.vllm_kv_cache_gb}: must be > 0"
+    if not (args.vllm_kv_cache_gb > 0 and math.isfinite(args.vllm_kv_cache_gb)):
+        return f"--vllm-kv-cache-gb {args.vllm_kv_cache_gb}: must be a finite number > 0"
     if args.vllm_max_model_len < 0:
         return f"--vllm-max-model-len {args.vllm_max_model_len}: must be >= 0"
     try:
@@ -208,6 +209,12 @@ class VLLMEngine:
                             waiting.pop(out.request_id).set_result((tokens, logprobs))
                 if progress is not None:
                     progress(sum(p.done() for p in played), len(played))
+                # A dialogue's error that ends the rollout (e.g. an EndpointError: the key, the
+                # model or the URL is wrong) stops the pump now, not after the other dialogues
+                # have played on and paid for their calls (the hf path stops at once too).
+                failed = next((p for p in played if p.done() and p.exception() is not None), None)
+                if failed is not None:
+                    failed.result()
             for p in played:
                 p.result()  # a dialogue's error (e.g. an EndpointError) is raised here
         finally:  # on an error or Ctrl-C: release every waiting dialogue, drop its request

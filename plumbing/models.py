@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -246,6 +247,45 @@ def smollm2_dir() -> str:
 def resolve_model(name: str) -> str:
     """'smollm2' -> the cached HF directory (built on first use); anything else unchanged."""
     return smollm2_dir() if name == "smollm2" else name
+
+
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+SAMPLE_BYTES = 1 << 20  # read from the start, the middle and the end of each weights file
+
+
+def weights_fingerprint(name: str) -> str:
+    """What identifies the weights behind --model, cheaply enough for a 7B folder: a hash of
+    each weights file's name, size and three 1 MiB samples (start: the header and the first
+    tensors; middle; end), and of config.json whole. Two models saved to the same path differ in
+    it (training changes every tensor), however alike their headers. 'tiny' is the seeded random
+    model (its seed is recorded apart); 'smollm2' the wheel's GGUF; a hub id its cached snapshot
+    (else the id itself: it cannot load offline either)."""
+    if name == "tiny":
+        return "tiny"
+    if name == "smollm2":
+        files = [smollm2_gguf_path()]
+    else:
+        folder = os.path.expanduser(name)
+        if not os.path.isdir(folder):
+            try:
+                from huggingface_hub import snapshot_download
+                folder = snapshot_download(name, local_files_only=True)
+            except Exception:
+                return f"hub:{name}"
+        files = sorted(os.path.join(folder, f) for f in os.listdir(folder)
+                       if f.endswith(WEIGHT_FILES) or f == "config.json")
+    h = hashlib.sha256()
+    for path in files:
+        size = os.path.getsize(path)
+        h.update(f"{os.path.basename(path)}:{size}:".encode())
+        with open(path, "rb") as f:
+            if path.endswith(".json"):
+                h.update(f.read())
+                continue
+            for at in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
+                f.seek(at)
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
 
 
 def load_policy(name: str, seed: int = 0, dtype=torch.float32, attn_implementation: str = "sdpa"):

@@ -112,8 +112,8 @@ def load_scenarios(path: str) -> list[Scenario]:
     with open(path, "rb") as f:  # bytes: a non-UTF-8 line is reported with its line number
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
+            try:  # the first line may start with a byte-order mark (Windows editors write one)
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise ScenarioError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
             if not line.strip():

@@ -257,6 +257,8 @@ def test_a_torn_transcript_line_is_dropped_and_its_dialogue_replayed(tmp_path):
     (["--simulator-timeout", "-1"], "--simulator-timeout -1.0: must be > 0"),
     (["--scenarios", "LATIN1"], "latin1.jsonl:2: not UTF-8"),
     (["--scenarios", "DEEP"], "deep.jsonl:1: JSON nested too deeply"),
+    # issue 38 item 8: passed the check, then OverflowError in plumbing/engines.py
+    (["--engine", "vllm", "--vllm-kv-cache-gb", "inf"], "--vllm-kv-cache-gb inf: must be a finite number > 0"),
 ])
 def test_bad_flags_are_one_line_errors(flags, msg, tmp_path, capsys):
     """Item 10: each used to be a traceback (after the model loaded) or accepted silently."""
@@ -663,16 +665,19 @@ def test_the_start_line_names_the_models_and_the_simulated_user(tmp_path, caplog
 
 
 def test_rates_follow_the_rules_that_ended_the_dialogue(tmp_path):
-    """Under --rules rlver a dialogue fails at emotion <= 0 and nothing ends at 100: the rates
-    count `outcome`, not SAGE's thresholds (they counted emotion 5 at the turn limit a failure).
-    Our own transcripts may end below 0 (no floor) and are read back (a rerun, --score)."""
+    """Under --rules rlver a dialogue fails at emotion <= 0 and nothing ends at 100: the failure
+    rate counts `outcome`, not SAGE's thresholds (they counted emotion 5 at the turn limit a
+    failure). A success is SAGE's: the emotion reached 100, also where the dialogue went on
+    (issue 38: under rlver the success rate was always 0). Our own transcripts may end below 0
+    (no floor) and are read back (a rerun, --score)."""
     recs = [{"scenario_id": "a", "emotion": 100, "outcome": "max_turns", "turns": 3},
             {"scenario_id": "b", "emotion": 5, "outcome": "max_turns", "turns": 3},
-            {"scenario_id": "c", "emotion": -4, "outcome": "failure", "turns": 2}]
+            {"scenario_id": "c", "emotion": -4, "outcome": "failure", "turns": 2},
+            {"scenario_id": "d", "emotion": 80, "outcome": "goodbye", "turns": 3, "emotion_trace": [30, 70, 100, 80]}]
     p = tmp_path / "rlver.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in recs))
     s = summarize(load_transcripts(str(p)))
-    assert (s["success_rate"], s["failure_rate"], s["sentient_score"]) == (0.0, 1 / 3, 101 / 3)
+    assert (s["success_rate"], s["failure_rate"], s["sentient_score"]) == (0.5, 0.25, 181 / 4)
     # another system's result (no outcome) is read by SAGE's thresholds, and must be in [0, 100]
     other = tmp_path / "other.jsonl"
     other.write_text('{"emo_point": 100}\n{"emo_point": 5}\n')
@@ -716,3 +721,192 @@ def test_reply_stats_count_questions_sentences_and_repeats_by_hand():
     # the second repeats 2 of its 4
     assert s["repeat_rate"] == (0 + 2 / 4) / 2
     assert s["rule_stacked"] == (1.0 + 0.0) / 2 and s["rule_unfinished"] == 0.5
+
+
+# ---------------------------------------------------------------- issue 38: faults, round four
+def last_error(capsys) -> str:
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def save_tiny(folder, seed):
+    from plumbing.models import make_tiny_policy
+    model, tok = make_tiny_policy(seed=seed, words=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def test_another_model_at_the_same_path_is_refused(tmp_path, capsys):
+    """Item 1: a different model saved to the same --model path scored as one model with the
+    first one's dialogues (n 5 = 4 of the first, 1 of the second). The weights' fingerprint is
+    in protocol.json; the same weights saved again (a copy) are still the same model."""
+    model = tmp_path / "final"
+    save_tiny(model, seed=0)
+    flags = ["--model", str(model), "--max-new-tokens", "6", "--max-turns", "2", "--judge", "none",
+             "--output-dir", str(tmp_path / "out")]
+    assert main(flags + ["--limit", "2"]) == 0
+    save_tiny(model, seed=0)  # written again, the same weights: reused
+    assert main(flags + ["--limit", "3"]) == 0
+    save_tiny(model, seed=1)  # another model at the same path
+    capsys.readouterr()
+    assert main(flags + ["--limit", "4"]) == 2
+    line = last_error(capsys)
+    assert f"the weights at {model} changed since they were played" in line
+
+
+def test_a_second_evaluation_in_the_same_output_dir_is_refused(tmp_path, capsys):
+    """Item 2: two evaluations at once in one --output-dir played and paid every dialogue twice."""
+    from plumbing.checks import lock_output_dir
+    out = tmp_path / "out"
+    out.mkdir()
+    held = lock_output_dir(str(out))  # the other evaluation, still running
+    assert main(SMALL + ["--limit", "1", "--output-dir", str(out)]) == 2
+    line = last_error(capsys)
+    assert f"--output-dir {out}: in use by another run (pid {os.getpid()})" in line
+    held.close()
+    assert main(SMALL + ["--limit", "1", "--output-dir", str(out)]) == 0
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_a_dialogue_id_twice_is_refused_naming_both_places(kind, tmp_path, capsys):
+    """Item 3: repeated ids were counted twice (SAGE's gpt-4.1 file with 30 lines repeated ranked
+    75.5 over "130" dialogues)."""
+    rows = [{"id": "x", "emo_point": 80}, {"id": "y", "emo_point": 10}, {"id": "x", "emo_point": 80}]
+    p = tmp_path / f"dup.{kind}"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows) if kind == "jsonl" else json.dumps(rows))
+    assert main(["--score", str(p), "--output-dir", str(tmp_path / "o")]) == 2
+    where = "line 1 and line 3" if kind == "jsonl" else "item [0] and item [2]"
+    assert last_error(capsys) == f"evaluate.py: error: {p}: dialogue 'x' appears twice ({where}): a score counts " \
+                                 f"each dialogue once"
+
+
+@pytest.mark.skipif(not os.path.isdir(SAGE_DATA), reason="SAGE's released results are not here (shared/data/sage)")
+def test_sages_file_with_repeated_lines_is_refused_on_the_leaderboard(tmp_path, capsys):
+    board = tmp_path / "board"
+    board.mkdir()
+    lines = open(os.path.join(SAGE_DATA, "gpt-4.1_result.jsonl"), encoding="utf-8").read().split("\n")
+    lines = [line for line in lines if line.strip()]
+    (board / "gpt-4.1_result.jsonl").write_text("\n".join(lines + lines[:30]) + "\n", encoding="utf-8")
+    assert main(["--leaderboard", str(board), "--judge", "none", "--output-dir", str(tmp_path / "o")]) == 2
+    assert "appears twice (line 1 and line 101)" in last_error(capsys)
+
+
+def test_the_engines_context_length_is_part_of_the_protocol(tmp_path):
+    """Item 4: --vllm-max-model-len was not recorded: a rerun with another value mixed dialogues
+    cut at 80 tokens with dialogues played to their last turn."""
+    import argparse
+
+    from evaluate import check_protocol, protocol
+    from plumbing.checks import InputError
+    from rule_user import RuleBackend
+    args = argparse.Namespace(scenarios=os.path.join(ROOT, "data", "scenarios_test.jsonl"), user="standard",
+                              rules="sage", initial_emotion=40, max_turns=9, think=False, temperature=0.0, seed=0,
+                              engine="vllm", max_new_tokens=64, max_total_tokens=4096, vllm_max_model_len=80)
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "transcripts.jsonl").write_text('{"scenario_id": "a"}\n')
+    (folder / "protocol.json").write_text(json.dumps(protocol(args, {}, RuleBackend(), "tiny")))
+    check_protocol(str(folder), protocol(args, {}, RuleBackend(), "tiny"))  # the same: reused
+    args.vllm_max_model_len = 0
+    with pytest.raises(InputError, match="vllm_max_model_len was 80, now 0"):
+        check_protocol(str(folder), protocol(args, {}, RuleBackend(), "tiny"))
+    args.vllm_max_model_len, args.max_new_tokens = 80, 32
+    with pytest.raises(InputError, match="max_new_tokens was 64, now 32"):
+        check_protocol(str(folder), protocol(args, {}, RuleBackend(), "tiny"))
+
+
+def test_jsonl_is_split_at_newlines_only(tmp_path):
+    """Item 5: SAGE's o4-mini transcript stopped with ':41: invalid JSON (Unterminated string)':
+    str.splitlines() also splits at U+2028, U+2029 and U+0085, which JSON strings may hold raw."""
+    rows = [{"id": f"d{i}", "emo_point": 10 * i, "history": [
+        {"role": "user", "content": f"line one{sep}line two"}, {"role": "assistant", "content": "ok"}]}
+        for i, sep in enumerate(["\u2028", "\u2029", "\u0085", "\u000b", "\u001c"])]
+    p = tmp_path / "seps.jsonl"
+    p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert "\u2028" in p.read_text(encoding="utf-8")  # written raw, as SAGE's file holds them
+    got = load_transcripts(str(p))
+    assert [r["id"] for r in got] == [f"d{i}" for i in range(5)]
+    assert [r["history"][0]["content"] for r in got] == [r["history"][0]["content"] for r in rows]
+
+
+def test_a_byte_order_mark_is_not_part_of_the_json(tmp_path):
+    """Item 6: a UTF-8 BOM (Windows editors write one) made the first line invalid JSON."""
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + b'{"id": "a", "emo_point": 50}\n{"id": "b", "emo_point": 70}\n')
+    assert summarize(load_transcripts(str(p)))["sentient_score"] == 60
+    s = tmp_path / "scenarios.jsonl"
+    s.write_bytes(b"\xef\xbb\xbf" + open(os.path.join(ROOT, "data", "scenarios_test.jsonl"), "rb").read())
+    from plumbing.scenarios import load_scenarios
+    assert len(load_scenarios(str(s))) == 20
+
+
+@pytest.mark.parametrize("history,msg", [
+    ([{"role": "user"}], "history[0] has no 'content' (a string is needed)"),
+    (["hello"], "history[0] is a str, not a message object"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": 5}],
+     "history[1] has a int as its 'content' (a string is needed)"),
+])
+@pytest.mark.parametrize("stats", [[], ["--reply-stats"]])
+def test_malformed_messages_are_one_line_naming_file_line_and_field(history, msg, stats, tmp_path, capsys):
+    """Item 7: KeyError and AttributeError tracebacks (with --reply-stats) instead of one line."""
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps({"id": "a", "emo_point": 50}) + "\n" + json.dumps({"id": "b", "emo_point": 50,
+                                                                               "history": history}) + "\n")
+    assert main(["--score", str(p), *stats, "--output-dir", str(tmp_path / "o")]) == 2
+    assert last_error(capsys) == f"evaluate.py: error: {p}:2: {msg}"
+
+
+def test_a_protocol_key_this_version_does_not_write_is_one_line(tmp_path, capsys):
+    """Item 9: a protocol.json holding a key this version does not write crashed the rerun
+    (StopIteration in check_protocol)."""
+    args = SMALL + ["--limit", "1", "--output-dir", str(tmp_path)]
+    assert main(args) == 0
+    proto = tmp_path / "tiny" / "protocol.json"
+    proto.write_text(json.dumps({**json.load(open(proto)), "future_setting": 1}))
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "protocol.json records 'future_setting', which this version does not" in last_error(capsys)
+
+
+def test_success_under_rlver_rules_and_the_tables_definition(tmp_path, capsys):
+    """Item 10: under --rules rlver the success rate was always 0%; the summary now says what
+    success and failure mean under the rules it played."""
+    assert main(SMALL + ["--limit", "2", "--rules", "rlver", "--judge", "none", "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "success: the emotion reached 100 at some turn (the dialogue goes on); failure: it ended at or below 0" \
+           in out
+    assert json.load(open(tmp_path / "summary.json"))["protocol"]["outcomes"].startswith("success: the emotion reached")
+
+
+def test_the_plots_show_every_value_they_are_given(tmp_path):
+    """Item 11: under --rules rlver final emotions below 0 vanished (bins 0-100, axis cut at 0)."""
+    from evaluate import plot
+    recs = [{"emotion": -35.0, "emotion_trace": [30, 5, -35], "valid": True},
+            {"emotion": 60.0, "emotion_trace": [30, 45, 60], "valid": True}]
+    (traj_lo, traj_hi), (hist_lo, hist_hi), counted = plot({"m": recs}, str(tmp_path / "p.png"), max_turns=2)
+    assert traj_lo <= -35 and traj_hi >= 60 and hist_lo <= -35 and hist_hi >= 60 and counted == 2
+
+
+def test_leaderboard_files_that_do_not_compare_are_refused_or_marked(tmp_path, capsys):
+    """Item 12: gpt-4.1.jsonl beside gpt-4.1_result.jsonl -- one was dropped silently; a 10-profile
+    file ranked above 100-profile ones; files of another turn limit ranked without a word."""
+    board = tmp_path / "board"
+    board.mkdir()
+    ids = [f"p{i}" for i in range(4)]
+
+    def write(name, ids, emo, turns=3):
+        (board / name).write_text("".join(json.dumps({"id": i, "emo_point": emo, "history": [
+            {"role": "assistant", "content": "x"}] * turns}) + "\n" for i in ids))
+    write("a.jsonl", ids, 50)
+    write("a_result.jsonl", ids, 60)
+    assert main(["--leaderboard", str(board), "--output-dir", str(tmp_path / "o")]) == 2
+    assert last_error(capsys).endswith("a.jsonl and a_result.jsonl are both 'a': keep one")
+    os.remove(board / "a.jsonl")
+    write("b_result.jsonl", ids[:2], 90)
+    assert main(["--leaderboard", str(board), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "b_result.jsonl played 2 profiles and a_result.jsonl 4, not the same ids" in last_error(capsys)
+    write("b_result.jsonl", ids, 90, turns=12)
+    write("c_result.jsonl", ids, 20)
+    assert main(["--leaderboard", str(board), "--output-dir", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert " 1. b (+)" in out and "played to another turn limit than the others' 3 agent replies" in out
+    assert " 2. a " in out and " 3. c " in out

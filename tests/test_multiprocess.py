@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -141,3 +142,56 @@ def test_process_count_mismatch_is_refused(tmp_path):
     assert len(errors) == 1, p.stderr[-3000:]  # the same on every rank: said once, by rank 0
     assert all("2 processes were launched (WORLD_SIZE) but accelerate sees 1" in l for l in errors)
     assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_a_slow_simulator_on_one_process_waits_within_the_process_group_timeout(tmp_path):
+    """Issue 38 item 14: after each rollout the processes meet in collectives; one whose
+    dialogues end early waits there for the other's simulator calls, and torch's timeout (10 min
+    with NCCL) could end the job when a hosted simulator slows. The timeout is now derived from
+    the rollout's worst case (or --process-group-timeout). Process 1's scenario makes the
+    simulated user answer in 6 s, process 0's at once: with a 2-second timeout the waiting
+    process gives up (the setting reaches the process group), with the derived one both finish."""
+    from fake_openai import FakeOpenAIServer, default_user
+
+    def slow_for_one(messages):
+        if "SLOW-PERSONA" in messages[0]["content"]:
+            time.sleep(6)
+        return default_user(messages)
+    scen = tmp_path / "two.jsonl"
+    scen.write_text("".join(json.dumps({"id": f"s{i}", "persona": persona, "background": "Lost a job.",
+                                        "hidden_goal": "advice", "first_message": "I lost my job."}) + "\n"
+                            for i, persona in enumerate(["FAST-PERSONA", "SLOW-PERSONA"])))
+    flags = ["train.py", "--algo", "ppo", "--group-size", "1", "--batch-size", "2", "--steps", "1", "--max-turns", "1",
+             "--max-new-tokens", "4", "--scenarios", str(scen), "--simulator", "openai", "--simulator-model", "m",
+             "--simulator-call-budget", "20", "--report-to", "none"]
+    with FakeOpenAIServer(responder=slow_for_one) as srv:
+        url = ["--simulator-base-url", srv.base_url]
+        rc, log = launch("ddp", *flags, *url, "--process-group-timeout", "2", "--output-dir", str(tmp_path / "short"),
+                         timeout=120)
+        assert rc != 0 and not os.path.exists(tmp_path / "short" / "final"), log[-3000:]
+        assert "a collective waits at most 2 s" in log
+        rc, log = launch("ddp", *flags, *url, "--output-dir", str(tmp_path / "derived"), timeout=120)
+    assert rc == 0, log[-3000:]
+    # derived: 1 dialogue per process, 3 calls of at most 20 s: max(1800, 2 x 60 + 600)
+    assert "a collective waits at most 1800 s" in log
+    assert metric_steps(str(tmp_path / "derived")) == [0]
+
+
+def test_the_process_group_timeout_is_the_rollouts_worst_case():
+    """The derived timeout: a process's dialogues in waves of --simulator-concurrency, each
+    making 2 x turns + 1 calls of at most --simulator-call-budget; twice that, plus 10 minutes,
+    never below 30 minutes; the rule user makes no call; the flag wins."""
+    import types
+
+    from plumbing.distributed import process_group_timeout
+    paper = types.SimpleNamespace(process_group_timeout=0.0, simulator="openai", batch_size=32, group_size=4,
+                                  max_turns=8, simulator_concurrency=64, simulator_call_budget=300.0)
+    os.environ["WORLD_SIZE"] = "8"
+    try:  # 16 dialogues per process: one wave of 17 calls x 300 s = 5100 s, x 2 + 600
+        assert process_group_timeout(paper) == 2 * 17 * 300 + 600
+        os.environ["WORLD_SIZE"] = "1"  # 128 dialogues: two waves
+        assert process_group_timeout(paper) == 2 * 2 * 17 * 300 + 600
+    finally:
+        del os.environ["WORLD_SIZE"]
+    assert process_group_timeout(types.SimpleNamespace(**{**vars(paper), "simulator": "rule"})) == 1800
+    assert process_group_timeout(types.SimpleNamespace(**{**vars(paper), "process_group_timeout": 90.0})) == 90

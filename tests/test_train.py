@@ -48,7 +48,11 @@ def test_unknown_flag_is_a_one_line_error(capsys):
     (["--actor-warmup-ratio", "1.5"], "--actor-warmup-ratio must be in [0, 1)"),
     # issue 25: the vLLM engine's settings
     (["--engine", "vllm", "--vllm-gpu-memory", "1.5"], "--vllm-gpu-memory 1.5: must be in (0, 1]"),
-    (["--engine", "vllm", "--model", "smollm2", "--vllm-kv-cache-gb", "0"], "--vllm-kv-cache-gb 0.0: must be > 0"),
+    (["--engine", "vllm", "--model", "smollm2", "--vllm-kv-cache-gb", "0"], "--vllm-kv-cache-gb 0.0: must be a finite"),
+    # issue 38: these passed the check and crashed later (OverflowError)
+    (["--engine", "vllm", "--model", "smollm2", "--vllm-kv-cache-gb", "inf"], "--vllm-kv-cache-gb inf: must be a finite"),
+    (["--process-group-timeout", "inf"], "--process-group-timeout inf: must be a finite number of seconds >= 0"),
+    (["--process-group-timeout", "-5"], "--process-group-timeout -5.0: must be a finite number of seconds >= 0"),
     (["--engine", "vllm", "--model", "smollm2", "--vllm-max-model-len", "-1"], "--vllm-max-model-len -1: must be >= 0"),
     (["--rollout-is-cap", "-1"], "--rollout-is-cap -1.0: must be 0 (off) or >= 1"),
     (["--rollout-is-cap", "0.5"], "--rollout-is-cap 0.5: must be 0 (off) or >= 1"),

@@ -192,20 +192,44 @@ def test_dialogues_never_wait_for_each_other(engine, model_dir):
     assert finished["s0"] - others > 2.0  # the slow dialogue's two answers came after all the others ended
 
 
-def test_a_simulator_error_ends_only_its_dialogue(engine, model_dir):
-    model, tok = fresh(model_dir)
-    engine.push(model)
-
+def failing_for_s1(error: Exception, answer_s: float = 0.0) -> RuleBackend:
+    """The rule user, but its appraisal of scenario s1 raises `error`, and every answer takes
+    `answer_s` seconds."""
     class FailsForOne(RuleBackend):
         def appraise(self, state, reply):
             if state.scenario.id == "s1":
-                from simulator import SimulatorError
-                raise SimulatorError("boom")
+                raise error
             return super().appraise(state, reply)
-    b = rollout(None, tok, Simulator(FailsForOne(seed=1), initial_emotion=40, max_turns=2), SC, group_size=1,
-                think=False, gen_cfg=RolloutConfig(max_new_tokens=6), engine=engine, seed=2)
+
+        def respond(self, state, final):
+            time.sleep(answer_s)
+            return super().respond(state, final)
+    return FailsForOne(seed=1)
+
+
+def test_a_simulator_error_ends_only_its_dialogue(engine, model_dir):
+    from simulator import SimulatorError
+    model, tok = fresh(model_dir)
+    engine.push(model)
+    b = rollout(None, tok, Simulator(failing_for_s1(SimulatorError("boom")), initial_emotion=40, max_turns=2), SC,
+                group_size=1, think=False, gen_cfg=RolloutConfig(max_new_tokens=6), engine=engine, seed=2)
     outcomes = {m["scenario_id"]: m["outcome"] for m in b.metrics}
     assert outcomes.pop("s1") == "simulator_error" and set(outcomes.values()) == {"max_turns"} and len(b) == 3
+
+
+def test_the_first_error_that_ends_the_rollout_stops_the_pump_at_once(engine, model_dir):
+    """Issue 38 item 13: one dialogue's EndpointError was raised only after every other dialogue
+    had finished (11 s later in the audit, the others still paying for calls); the hf path stops
+    at once. Here the other three dialogues' users take 2 s per answer, for 3 turns."""
+    from plumbing.backends import EndpointError
+    model, tok = fresh(model_dir)
+    engine.push(model)
+    user = failing_for_s1(EndpointError("401: the key is refused"), answer_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(EndpointError, match="401"):
+        rollout(None, tok, Simulator(user, initial_emotion=40, max_turns=3), SC, group_size=1,
+                think=False, gen_cfg=RolloutConfig(max_new_tokens=6), engine=engine, seed=5)
+    assert time.monotonic() - t0 < 1.5  # not after the others' 3 x 2 s
 
 
 def run_train(*args, timeout=600):
