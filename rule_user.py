@@ -177,9 +177,13 @@ class RuleBackend:
     def features(self, reply: str, last_user: str, goal_type: str, earlier: str = "") -> dict[str, float]:
         """Each feature of `reply` in [0, 1]; `earlier`: the agent's earlier replies in this
         dialogue. Two ways of saying the same again: `repetition` is the share of this reply's
-        longer words (5+ letters) repeated *within* it; `echo` the share it repeats from the agent's earlier
-        replies (a stock line said again, which the LLM user's prompt also counts as repetitive:
-        a SmolLM2 run trained without it learned to open every turn with one validation).
+        longer words (5+ letters) repeated *within* it; `echo` the share of its content words
+        (content_words, the unit of evaluate.py's repeat rate) that the agent's earlier replies
+        already said (a stock line said again, which the LLM user's prompt also counts as
+        repetitive: a SmolLM2 run trained without it learned to open every turn with one
+        validation). `acknowledge` is 1 when the reply names the feeling in words it has not
+        used earlier in the dialogue, 0.5 when only in words it used before (a run learned to
+        say "feel" in 30 of its 60 held-out replies, which paid in full every turn).
 
         Three ways of earning a feature without the care it stands for, each learned by a SmolLM2
         run against a rule user that did not dock it (docs/LEARNING.md):
@@ -211,12 +215,15 @@ class RuleBackend:
         repetition = 0.0
         if len(content) >= 4:
             repetition = 1 - len(set(content)) / len(content)  # share of repeated content words
-        said_before = {w for w in word_list(earlier) if len(w) >= 5}
-        echo = len(set(content) & said_before) / len(set(content)) if content else 0.0
+        mine, said_before = content_words(reply), content_words(earlier)
+        echo = len(mine & said_before) / len(mine) if mine else 0.0
+        acks = {k for k in _FEATURE_WORDS["acknowledge"] if k in low}
+        new_acks = acks - {k for k in acks if k in earlier.lower()}
+        acknowledge = 0.0 if not acks else 1.0 if new_acks else 0.5
         return {
             "readable": ok_chars / n,
             "length_ok": length_ok,
-            "acknowledge": float(any(k in low for k in _FEATURE_WORDS["acknowledge"])),
+            "acknowledge": acknowledge,
             "reflect": min(1.0, len(user_words & set(words)) / 2),
             "open_question": open_question,
             "goal": min(1.0, sum(k in low for k in _GOAL_WORDS.get(goal_type, [])) / 2),

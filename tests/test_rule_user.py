@@ -98,11 +98,24 @@ def test_the_rule_user_does_not_reward_a_stock_line_said_again():
     line = "It's completely understandable that you feel hurt. That sounds really painful."
     f = RuleBackend().features
     assert f(line, "", "empathy")["echo"] == 0.0 and f(line, "", "empathy", earlier=line)["echo"] == 1.0
-    fresh = "What happened when your manager said that? Tell me more about that meeting."
+    fresh = "What happened when your manager said it? Tell me more about the meeting."
     assert f(fresh, "", "empathy", earlier=line)["echo"] == 0.0
     sim = Simulator(RuleBackend(), initial_emotion=40, max_turns=2)
     same = sim.step(sim.step(sim.reset(sc(goal_type="empathy")), line), line)
     assert same.trace[1]["change"] < same.trace[0]["change"] and "echo -3.00" in same.trace[1]["reasoning"]
+
+
+def test_the_same_acknowledgement_every_turn_pays_half():
+    """Issue 39: a SmolLM2 run said "feel" in 30 of its 60 held-out replies ("How do you feel?",
+    "I feel..."): acknowledging paid in full every turn, and the word, 4 letters, escaped `echo`
+    (then over 5+ letter words). A reply that acknowledges only in words it already used earns
+    half, one in new words in full; echo now counts the unit evaluate.py's repeat rate counts."""
+    f = RuleBackend().features
+    assert f("How do you feel about it?", "", "empathy", earlier="")["acknowledge"] == 1.0
+    assert f("How do you feel now?", "", "empathy", earlier="How do you feel about it?")["acknowledge"] == 0.5
+    assert f("That sounds so hard.", "", "empathy", earlier="How do you feel about it?")["acknowledge"] == 1.0
+    assert f("How do you feel now?", "", "empathy", earlier="How do you feel about it?")["echo"] == 1.0  # its one content word
+    assert f("Okay.", "", "empathy", earlier="How do you feel?")["acknowledge"] == 0.0
 
 
 def expected_change(f: dict) -> float:
