@@ -139,7 +139,7 @@ PRESETS = {
 }
 ALGO_DEFAULTS = {"grpo": {"group_size": 4}, "ppo": {"group_size": 1}}
 # PPO has no group: more scenarios per step for the same work.
-PRESET_PPO = {"tiny": {"batch_size": 16}, "smollm2-cpu": {"batch_size": 16}}
+PRESET_PPO = {"tiny": {"batch_size": 16}, "smollm2-cpu": {"batch_size": 16, "steps": 56, "save_every": 14}}
 
 
 # ============================================================================================
