@@ -20,6 +20,7 @@ Two judges behind one interface (`judge_record(record) -> dict`):
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -288,7 +289,7 @@ class LLMJudge:
         if err:
             out["judge_error"] = err
         if self.labels:
-            labels, lerr = self._ask(label_messages(record), lambda t: parse_labels(t, n))
+            labels, lerr = self._ask(label_messages(record), functools.partial(parse_labels, n=n))
             out["strategies"] = labels
             if lerr:
                 out["label_error"] = lerr

@@ -448,6 +448,13 @@ def parse_reply(text: str) -> str | None:
     return None
 
 
+def parse_opening(text: str) -> str | None:
+    """-> the user's opening line, or None: parse_reply's reading, under its own name so that a
+    server with structured outputs is asked for the line alone (the opening prompts ask for
+    {"reply": ...}, no thinking; plumbing.backends.answer_schema)."""
+    return parse_reply(text)
+
+
 def ask_plainly(backend, messages, parser, tries: int):
     """Ask `backend.chat(messages)` until `parser` accepts the answer, at most `tries` times ->
     (parsed, None), or (None, why the last try failed). An unparseable answer is asked again, as
@@ -511,7 +518,7 @@ class Simulator:
     def _opening(self, sc):
         if hasattr(self.backend, "opening"):
             return self.backend.opening(sc)
-        return self._ask(opening_messages(sc, self.user), parse_reply)
+        return self._ask(opening_messages(sc, self.user), parse_opening)
 
     # ---- public API
     def reset(self, scenario: Scenario) -> UserState:

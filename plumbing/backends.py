@@ -3,7 +3,8 @@
 The Simulator (simulator.py) asks its backend `chat(messages) -> str`. The backends here:
 
   OpenAIBackend  any OpenAI-compatible chat-completions server (DeepSeek-V3, `vllm serve`):
-                 transport retries with backoff, a deadline per call, JSON mode
+                 transport retries with backoff, a deadline per call, each answer asked for
+                 with its JSON schema (structured outputs; then JSON mode, then plain text)
   HFBackend      a local transformers chat model
   CachedBackend  a wrapper that stores each parsed answer on disk and replays it on a rerun
   make_backend   the --simulator* flags (SimulatorArgs) -> a backend; `rule` is the offline
@@ -33,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from plumbing.checkpoints import append_line
 from rule_user import RuleBackend
-from simulator import Simulator
+from simulator import USERS, Simulator
 
 log = logging.getLogger("simulator")
 
@@ -92,7 +93,8 @@ def make_simulator(args: SimulatorArgs, backend, initial_emotion: int, max_turns
     """The Simulator for these flags (--user, --rules, --simulator-concurrency, --simulator-call-budget),
     asking its LLM user through an Asker (`sim.ask.take_counts(sim.backend)`: its retries)."""
     return Simulator(backend, initial_emotion=initial_emotion, max_turns=max_turns, user=args.user, rules=args.rules,
-                     concurrency=args.simulator_concurrency, ask=Asker(args.simulator_call_budget))
+                     concurrency=args.simulator_concurrency,
+                     ask=Asker(args.simulator_call_budget, max_change=USERS[args.user]["max_change"]))
 
 
 # ---- asking an LLM until its answer parses (what Simulator(ask=...) and judge.LLMJudge use)
@@ -103,7 +105,7 @@ class EndpointError(RuntimeError):
 
 
 def ask_until_parsed(backend, messages, parser, tries: int, budget: float | None = None,
-                     on_retry=None, logger=log, who: str = "simulator"):
+                     on_retry=None, logger=log, who: str = "simulator", schema: dict | None = None):
     """Ask `backend.chat(messages)` until `parser` accepts the answer, at most `tries` times (the
     backend retries transport faults itself) -> (parsed, None), or (None, why the last try
     failed). The `ask` the scripts give simulator.Simulator (through Asker) and judge.LLMJudge.
@@ -116,10 +118,13 @@ def ask_until_parsed(backend, messages, parser, tries: int, budget: float | None
     (CachedBackend stores parsed answers only, so a bad answer is never
     replayed into its own retry). With `budget` (seconds for all tries together), no try starts
     after it is spent, and a backend that takes a deadline (OpenAIBackend) cuts its requests
-    and backoffs to what is left."""
+    and backoffs to what is left; such a backend also takes the `schema` of the answer the
+    parser reads (structured outputs). The parser still checks every answer."""
     last = None
     deadline = time.monotonic() + budget if budget else None
-    takes_deadline = getattr(backend, "takes_deadline", False)
+    kw = {}
+    if getattr(backend, "takes_deadline", False):
+        kw = {"deadline": deadline, **({"schema": schema} if schema is not None else {})}
     for attempt in range(tries):
         if deadline is not None and time.monotonic() >= deadline:
             last = f"no answer within the call budget of {budget:g} s ({last})"
@@ -127,10 +132,7 @@ def ask_until_parsed(backend, messages, parser, tries: int, budget: float | None
         if attempt and on_retry is not None:
             on_retry()
         try:
-            if takes_deadline:
-                text = backend.chat(messages, deadline=deadline)
-            else:
-                text = backend.chat(messages)
+            text = backend.chat(messages, **kw)
             out = parser(text) if isinstance(text, str) else None
             if out is not None and not is_text((text, out)):
                 raise ValueError("the answer is not valid Unicode text (a lone surrogate?)")
@@ -167,17 +169,55 @@ def is_text(value) -> bool:
     return True
 
 
-class Asker:
-    """The `ask` of a Simulator the scripts build (make_simulator): ask_until_parsed with a time
-    budget per call (--simulator-call-budget: every try and every transport retry together;
-    None = no limit), counting the retries train.py and evaluate.py log (take_counts)."""
+def answer_schema(parser, max_change: int = 10) -> dict | None:
+    """The JSON schema of the answer `parser` reads: the fields and types it takes, for servers
+    with structured outputs (None: a parser of ours it does not know). The simulated user's
+    appraisal (its change an integer within the user's bound: [-10, 10] for the standard user),
+    its reply or opening line, and the LLM judge's scores and strategy labels. Every field is
+    required and nothing else allowed, as OpenAI's strict mode wants. Free text has a length
+    bound (`maxLength`, characters) well inside the answer's max_tokens: a model that rambles
+    inside a string would otherwise run into the token limit and the whole answer be lost
+    (SmolLM2 as the judge did, at 1,024 tokens); the bound makes the grammar close the string."""
+    from judge import DIMENSIONS, STRATEGIES, parse_judgement, parse_labels
+    from simulator import parse_appraisal, parse_opening, parse_reply
 
-    def __init__(self, budget: float | None = None, who: str = "simulator"):
-        self.budget, self.who = budget, who
+    def obj(**props):
+        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+    def text(chars: int):
+        return {"type": "string", "maxLength": chars}
+    fn = getattr(parser, "func", parser)  # a functools.partial of a parser (parse_labels with n)
+    if fn is parse_appraisal:
+        return obj(analysis=text(800), change={"type": "integer", "minimum": -max_change, "maximum": max_change})
+    if fn is parse_reply:
+        return obj(thinking=text(600), reply=text(600))
+    if fn is parse_opening:  # the opening prompts ask for the line alone
+        return obj(reply=text(600))
+    if fn is parse_judgement:
+        score = {"type": "integer", "minimum": 1, "maximum": 5}  # the form judge_messages asks for
+        return obj(**{d: obj(evaluation=text(300), score=score) for d in DIMENSIONS})
+    if fn is parse_labels:
+        n = getattr(parser, "keywords", {}).get("n")
+        if n is None:  # the count of turns is unknown: no schema
+            return None
+        turn = {"type": "array", "items": {"type": "string", "enum": list(STRATEGIES)}}
+        return obj(turns={"type": "array", "items": turn, "minItems": n, "maxItems": n})
+    return None
+
+
+class Asker:
+    """The `ask` of a Simulator the scripts build (make_simulator) and of the LLM judge:
+    ask_until_parsed with a time budget per call (--simulator-call-budget: every try and every
+    transport retry together; None = no limit) and the JSON schema of the answer the parser
+    reads (structured outputs; `max_change` bounds the appraisal's change), counting the retries
+    train.py and evaluate.py log (take_counts)."""
+
+    def __init__(self, budget: float | None = None, who: str = "simulator", max_change: int = 10):
+        self.budget, self.who, self.max_change = budget, who, max_change
         self.parse_retries, self._lock = 0, threading.Lock()
 
     def __call__(self, backend, messages, parser, tries: int):
-        return ask_until_parsed(backend, messages, parser, tries, self.budget, self._count, log, self.who)
+        return ask_until_parsed(backend, messages, parser, tries, self.budget, self._count, log, self.who,
+                                answer_schema(parser, self.max_change))
 
     def _count(self):
         with self._lock:
@@ -240,14 +280,18 @@ class OpenAIBackend:
     an environment variable, never printed, and cut out of every error message (servers echo it)."""
 
     parallel = True
-    takes_deadline = True  # chat(messages, deadline=...): see Asker's budget
+    takes_deadline = True  # chat(messages, deadline=..., schema=...): see Asker
     MAX_ANSWER_BYTES = 256 * 1024  # a simulated user's line is ~1 KB; a bigger answer is a fault
+    # How the answer is constrained, best first: structured outputs (the exact JSON schema the
+    # parser reads: vLLM, SGLang, llama.cpp's server, OpenAI), JSON mode, plain text. A 400 that
+    # names response_format moves the endpoint one down for the rest of the run, logged once.
+    FORMATS = {"json_schema": "structured outputs (a JSON schema)", "json_object": "JSON mode", "text": "plain text"}
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
                  temperature: float = 0.7, timeout: float = 60.0, max_retries: int = 4,
                  json_mode: bool = True, max_tokens: int = 512, flag: str = "--simulator"):
         self.base_url, self.model, self.temperature = base_url, model, temperature
-        self.json_mode, self.max_tokens = json_mode, max_tokens
+        self.format, self.max_tokens = "json_schema" if json_mode else "text", max_tokens
         self.timeout, self.max_retries = timeout, max_retries
         self.api_key_env, self.flag = api_key_env, flag  # flag: which flags name this endpoint in errors
         self.retries, self._lock = 0, threading.Lock()
@@ -264,12 +308,24 @@ class OpenAIBackend:
             n, self.retries = self.retries, 0
         return n
 
-    def chat(self, messages: list[dict], deadline: float | None = None) -> str:
-        """One answer's text. `deadline` (time.monotonic()): no request or backoff runs past it."""
+    @property
+    def json_mode(self) -> bool:
+        """Is the answer asked for as JSON (a schema or JSON mode)?"""
+        return self.format != "text"
+
+    def chat(self, messages: list[dict], deadline: float | None = None, schema: dict | None = None) -> str:
+        """One answer's text. `deadline` (time.monotonic()): no request or backoff runs past it.
+        `schema`: the JSON schema the answer must follow, where the server has structured
+        outputs (else JSON mode)."""
         kw = dict(model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens)
         k = 0  # failed tries so far
         while True:
-            if self.json_mode:
+            fmt = "json_object" if self.format == "json_schema" and schema is None else self.format
+            kw.pop("response_format", None)
+            if fmt == "json_schema":
+                kw["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+                                                                                "strict": True}}
+            elif fmt == "json_object":
                 kw["response_format"] = {"type": "json_object"}
             left = self.timeout if deadline is None else min(self.timeout, deadline - time.monotonic())
             if left <= 0:
@@ -280,13 +336,16 @@ class OpenAIBackend:
             except openai.APIStatusError as e:
                 if e.status_code in (401, 403, 404):
                     raise EndpointError(self._endpoint_problem(e.status_code)) from None
-                if e.status_code == 400 and self.json_mode and "response_format" in str(e):
-                    # The server has no JSON mode (the 400 says so): ask again at once without it,
-                    # from now on; not a failed try. Any other 400 (e.g. the context is too
-                    # long) is a failed call, not this.
-                    log.warning("%s endpoint rejected JSON mode; continuing without it", self.flag)
-                    self.json_mode = False
-                    kw.pop("response_format")
+                if e.status_code == 400 and fmt != "text" and "response_format" in str(e):
+                    # The server lacks this format (the 400 says so): ask again at once with the
+                    # next one, from now on; not a failed try. Any other 400 (e.g. the context is
+                    # too long) is a failed call, not this.
+                    with self._lock:
+                        formats = list(self.FORMATS)
+                        if formats.index(self.format) <= formats.index(fmt):  # once, whichever call met it first
+                            self.format = formats[formats.index(fmt) + 1]
+                            log.warning("%s endpoint rejected %s; continuing with %s", self.flag,
+                                        self.FORMATS[fmt], self.FORMATS[self.format])
                     continue
                 error = e
             except (openai.APIConnectionError, TimeoutError) as e:  # also the client's timeouts

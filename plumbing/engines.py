@@ -9,7 +9,9 @@ dialogue on its own); this file is the engine's set-up and its pump:
                        token ids in and out (skip_tokenizer_init), sampling exactly
                        softmax(logits / T) (generation_config="vllm": the model's
                        generation_config.json is ignored; no top-p/top-k; log-probs of the
-                       processed distribution, logprobs_mode="processed_logprobs")
+                       processed distribution, logprobs_mode="processed_logprobs"); under
+                       several processes vLLM's external-launcher executor, so that each engine
+                       runs on its own process's device, inside the trainer's process group
   push                 the policy's current weights into it, no disk round trip: under FSDP2 each
                        sharded tensor gathered whole (one collective per tensor), under DDP the
                        local module's; then the prefix cache is dropped (it holds old-weight KV)
@@ -74,6 +76,10 @@ def engine_problem(args, model: str, cuda: bool) -> str | None:
     return None
 
 
+def _local_rank(worker) -> int:  # runs in the engine's worker (collective_rpc)
+    return worker.local_rank
+
+
 class VLLMEngine:
     def __init__(self, model, args: EngineArgs, max_total_tokens: int, seed: int):
         """`model` the (unwrapped) policy: its config decides the engine's architecture."""
@@ -109,6 +115,19 @@ class VLLMEngine:
             # only, so one step must fit the longest.
             kw.update(kv_cache_memory_bytes=int(args.vllm_kv_cache_gb * 2 ** 30), enable_chunked_prefill=False,
                       max_num_batched_tokens=max(self.max_len, 4096))
+        # Several training processes (accelerate launch): each process's engine must run on that
+        # process's own device and inside the process group the trainer already has: vLLM's
+        # external-launcher executor (as TRL's colocate mode), which takes its rank and device
+        # from RANK / LOCAL_RANK (and the rendezvous from MASTER_ADDR / MASTER_PORT, which the
+        # launcher set). Without it vLLM's single-process executor takes local rank 0 (cuda:0) in
+        # every process (v1/executor/uniproc_executor.py), eight engines on one GPU. Building the
+        # engine also sets the current device: the trainer's is put back after.
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
+            os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()) if self.cuda else "0")  # torchrun sets it
+            kw["distributed_executor_backend"] = "external_launcher"
+        trainer_device = torch.cuda.current_device() if self.cuda else None
         try:
             self.llm = LLM(**kw)
         except BaseException as e:
@@ -119,8 +138,15 @@ class VLLMEngine:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
             why = next((line for line in lines if line.startswith("Value error")), lines[-1] if len(lines) > 1 else lines[0])
             raise ValueError(f"--engine vllm: vLLM refused the settings: {why[:300]}") from None
+        finally:
+            if trainer_device is not None:
+                torch.cuda.set_device(trainer_device)
         self.requests = itertools.count()  # request ids: unique over the engine's life
         self.asleep = False
+
+    def worker_local_rank(self) -> int:
+        """The local rank (device index) the engine's worker runs on."""
+        return self.llm.collective_rpc(_local_rank)[0]
 
     # ---- weights and memory
     def push(self, model):

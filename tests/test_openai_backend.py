@@ -6,8 +6,8 @@ import time
 import pytest
 
 from fake_openai import FakeOpenAIServer, varied_user
-from plumbing.backends import Asker, EndpointError, OpenAIBackend, is_text
-from simulator import Scenario, Simulator
+from plumbing.backends import Asker, EndpointError, OpenAIBackend, answer_schema, is_text
+from simulator import Scenario, Simulator, parse_appraisal
 
 S = Scenario(id="a", persona="Ann", background="Lost her job.", hidden_goal="advice",
              first_message="I lost my job.")
@@ -45,7 +45,8 @@ def test_dialogue_completes_despite_transient_faults(faults, monkeypatch):
     assert st.outcome == "max_turns" and st.emotion == 39, st.trace
     assert [t["change"] for t in st.trace] == [3, 3, 3]
     # JSON mode is requested, and the key is sent to the server (it is how auth works) ...
-    assert srv.requests[0]["body"]["response_format"] == {"type": "json_object"}
+    assert srv.requests[0]["body"]["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": answer_schema(parse_appraisal), "strict": True}}
     assert srv.requests[0]["auth"] == f"Bearer {SECRET}"
 
 
@@ -199,7 +200,6 @@ def test_json_mode_is_off_only_when_the_400_is_about_it():
 
 def test_the_change_as_a_number_or_a_numeric_string_rounds_half_away_from_zero():
     """Item 10: "5.5" was refused while 5.5 was taken, and 2.5 became 2 (banker's rounding)."""
-    from simulator import parse_appraisal
     for change, want in [("5.5", 6), (5.5, 6), (2.5, 3), (-2.5, -3), ("+3", 3), (" -4 ", -4), (7, 7), (1e3, 1000)]:
         assert parse_appraisal(json.dumps({"analysis": "a", "change": change}))[0] == want, change
     for bad in ['{"change": 3, "change": -8}', '{"change": "5.5.5"}', '{"change": "3x"}', '{"change": true}']:
@@ -262,3 +262,59 @@ def test_a_failed_cache_write_is_a_save_error(tmp_path):
     cached = CachedBackend(object(), str(tmp_path / "afile" / "cache.jsonl"))  # a folder that is a file
     with pytest.raises(SaveError, match="could not write"):
         cached.keep([{"role": "user", "content": "hi"}], "answer")
+
+
+def test_each_answer_asks_for_its_own_schema():
+    """Issue 40: the simulated user's appraisal, reply and opening line each ask for the JSON
+    schema their parser reads (structured outputs), the change bounded by the user's range; the
+    challenging user's change by its own (100)."""
+    from plumbing.backends import SimulatorArgs, make_simulator
+    with FakeOpenAIServer() as srv:  # as the scripts build it (make_simulator: the user's bound)
+        sim = make_simulator(SimulatorArgs(user="standard"), backend(srv), 30, 2)
+        st = sim.step(sim.reset(Scenario(id="o", persona="Ann", background="Lost her job.", hidden_goal="advice")),
+                      "That sounds hard.")
+        hard = make_simulator(SimulatorArgs(user="challenging"), backend(srv), 30, 1)
+        hard.step(hard.reset(S), "hm")
+    assert st.turn == 1 and not st.done
+    schemas = [r["body"]["response_format"]["json_schema"]["schema"] for r in srv.requests]
+    opening, appraisal, reply, hard = schemas
+    line = {"type": "string", "maxLength": 600}  # a bound inside max_tokens: the grammar closes the string
+    assert reply == {"type": "object", "properties": {"thinking": line, "reply": line},
+                     "required": ["thinking", "reply"], "additionalProperties": False}
+    # the opening prompts ask for {"reply": ...} alone: its schema has no thinking to force
+    assert opening == {"type": "object", "properties": {"reply": line}, "required": ["reply"],
+                       "additionalProperties": False}
+    assert appraisal["properties"]["change"] == {"type": "integer", "minimum": -10, "maximum": 10}
+    assert appraisal["required"] == ["analysis", "change"]
+    assert hard["properties"]["change"] == {"type": "integer", "minimum": -100, "maximum": 100}
+
+
+def test_the_judges_answers_ask_for_their_schemas():
+    """Issue 40: the LLM judge's scores (per dimension the evaluation its prompt asks for, then
+    an integer 1-5) and labels (n lists of known names)."""
+    import functools
+
+    from judge import DIMENSIONS, STRATEGIES, parse_judgement, parse_labels
+    scores = answer_schema(parse_judgement)
+    assert scores["required"] == list(DIMENSIONS)
+    assert all(p["required"] == ["evaluation", "score"] and p["properties"]["score"] == {
+        "type": "integer", "minimum": 1, "maximum": 5} for p in scores["properties"].values())
+    labels = answer_schema(functools.partial(parse_labels, n=3))["properties"]["turns"]
+    assert (labels["minItems"], labels["maxItems"]) == (3, 3) and labels["items"]["items"]["enum"] == list(STRATEGIES)
+    assert answer_schema(parse_labels) is None  # the turn count unknown: JSON mode
+    assert answer_schema(lambda text: text) is None  # not one of ours: JSON mode
+
+
+def test_a_server_without_structured_outputs_falls_back_to_json_mode_once(caplog):
+    """Issue 40: a 400 naming response_format to a json_schema request: JSON mode from then on,
+    not a failed try, logged once however many dialogues met it."""
+    caplog.set_level(logging.WARNING)
+    with FakeOpenAIServer(schema=False) as srv:
+        b = backend(srv)
+        sim = simulator(b, initial_emotion=30, max_turns=2, concurrency=8)
+        states = sim.step_many(sim.reset_many([S] * 8), ["reply"] * 8)
+    assert all(s.turn == 1 and s.outcome is None for s in states)
+    assert b.format == "json_object" and sim.ask.take_counts(b)["parse_retries"] == 0
+    types = [r["body"].get("response_format", {}).get("type") for r in srv.requests]
+    assert types[-1] == "json_object" and types.count("json_schema") <= 8  # those in flight when the 400 came
+    assert caplog.text.count("rejected structured outputs (a JSON schema); continuing with JSON mode") == 1

@@ -352,3 +352,21 @@ def test_dialogues_stop_at_the_engines_max_length(model_dir):
         small.close()
     assert small.max_len == 160 and {m["outcome"] for m in b.metrics} == {"max_tokens"}
     assert all(int(n) <= 160 for n in b.attention_mask.sum(1))
+
+
+def test_each_process_builds_its_engine_on_its_own_device(tmp_path):
+    """Issue 40 item 5: under `accelerate launch` every process's engine took local rank 0
+    (vLLM's single-process executor: cuda:0 on a GPU node, eight engines on one GPU). Each engine
+    now joins the trainer's process group with vLLM's external launcher and runs on its own
+    process's local rank; the trainer's device and process group are as they were; one process's
+    generation does not wait for the other's (process 1 held back 6 s)."""
+    out = tmp_path / "engine"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cpu_launch.py"), "--nproc", "2", "--mode", "ddp",
+                        "--timeout", "300", "--", "tests/mp_engine.py", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=360)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    seen = [json.load(open(f"{out}.{rank}.json")) for rank in (0, 1)]
+    for rank, r in enumerate(seen):
+        assert r["rank"] == r["local_rank"] == r["engine_local_rank"] == rank
+        assert r["device_before"] == r["device_after"] and r["allreduce"] == 3.0 and r["tokens"] > 0
+    assert seen[0]["generate_s"] < 3.0  # not after process 1's 6 s

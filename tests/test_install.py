@@ -1,0 +1,32 @@
+"""What requirements.txt asks of pip (issue 40): on a GPU node whose CUDA torch is installed
+already, or after `pip install vllm` (which pins its own torch), `pip install -r
+requirements.txt` must keep that torch. So the file names torch with a lower bound the code
+needs and no pin; the exact CPU pin lives where CPU installs happen (.ci/run, the README's CPU
+line). How it was checked with pip itself is in docs/PAPER_SETUP.md ("Installing on a GPU node")."""
+import os
+
+from packaging.requirements import Requirement
+
+from conftest import ROOT
+
+
+def requirements() -> dict[str, Requirement]:
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        reqs = [Requirement(line.split("#")[0].strip()) for line in f if line.split("#")[0].strip()]
+    return {r.name.lower(): r for r in reqs}
+
+
+def test_requirements_keep_the_torch_a_node_already_has():
+    torch = requirements()["torch"].specifier
+    assert not any(s.operator in ("==", "===", "~=") for s in torch), torch  # no pin
+    for have in ("2.11.0", "2.11.0+cu130", "2.13.0+cpu", "2.14.1"):  # the lent GPU's, CI's, a newer one
+        assert torch.contains(have, prereleases=True), (have, torch)
+    assert not torch.contains("2.10.0")  # older than the code needs
+
+
+def test_the_cpu_installs_pin_the_torch_ci_tests():
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert "pip install -q torch==2.13.0" in ci and "pip install torch==2.13.0 && pip install -r requirements.txt" in readme
