@@ -100,11 +100,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         w, b = _cast_head(weight, bias, cd)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(h) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None  # ONE buffer, accumulated in place
-        grad_b = torch.zeros_like(bias) if need_b else None
-        if g_lp is None and g_ent is None:
-            return grad_h, grad_w, grad_b, None, None, None, None, None
-        for s in range(0, h.shape[0], ctx.chunk):
+        # The head's weight and bias gradients are sums over every chunk: ONE float32 buffer
+        # each, accumulated in place and cast to the parameter's dtype once at the end. (In a
+        # bf16 buffer every chunk's addition would round: ~37 times per 8k-token micro-batch
+        # of a 7B model.)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        rows = h.shape[0] if g_lp is not None or g_ent is not None else 0  # no output in the loss: zeros
+        for s in range(0, rows, ctx.chunk):
             e = slice(s, s + ctx.chunk)
             z = _chunk_logits(h[e], w, b, temperature)
             p = (z - lse[e, None]).exp_()  # softmax, from the saved logsumexp
@@ -124,13 +127,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
             del z, p
             if temperature != 1.0:  # z = logits / temperature
                 g = g / temperature
-            g = g.to(cd)
-            if need_h:
-                grad_h[e] = (g @ w).to(h.dtype)
-            if need_w:
-                grad_w.addmm_(g.t().to(weight.dtype), h[e].to(weight.dtype))
+            if need_w:  # summed in float32 (grad_w); each chunk's product in the compute dtype
+                if cd == torch.float32:
+                    grad_w.addmm_(g.t(), h[e].float())
+                else:  # bf16 in, on the GPU's tensor cores (a float32 matmul of the vocab x hidden
+                    grad_w += g.t().to(cd) @ h[e].to(cd)  # head would cost ~25% of a 7B step)
             if need_b:
-                grad_b += g.sum(0).to(bias.dtype)
+                grad_b += g.sum(0)
+            if need_h:
+                grad_h[e] = (g.to(cd) @ w).to(h.dtype)
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
+        if need_b:
+            grad_b = grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
@@ -155,9 +164,21 @@ class _LogprobHead(torch.nn.Module):
         return F.pad(out, (0, 0, 1, 0))  # position 0 has no log-prob
 
 
+def micro_batches(attention_mask, micro_batch: int | None = None):
+    """How a pass over many rows groups them: [(row indices, width)], at most `micro_batch` rows
+    each, the longest rows first and rows of similar length together, each group cut to its own
+    longest row (rows are right-padded). A batch of per-turn rows runs from 0.5k to 8k tokens
+    in the paper preset: at the batch's full width most of the pass would be padding."""
+    lengths = attention_mask.sum(1)
+    if not micro_batch or micro_batch >= len(lengths):  # one pass over all rows, in their order
+        return [(torch.arange(len(lengths)), max(1, int(lengths.max())))] if len(lengths) else []
+    order = torch.argsort(lengths, descending=True, stable=True)
+    return [(order[s:s + micro_batch], max(1, int(lengths[order[s]]))) for s in range(0, len(order), micro_batch)]
+
+
 def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
                    micro_batch: int | None = None, return_entropy: bool = False, entropy_grad: bool = False,
-                   positions=None, chunk_size: int | None = None):
+                   positions=None, chunk_size: int | None = None, plan=None):
     """Log-probs of the given tokens under the model, aligned to input positions.
 
     input_ids [N, T] (token ids), attention_mask [N, T] (1 = real token, 0 = padding),
@@ -176,7 +197,8 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
     LOGIT_CHUNK_ELEMS logits per chunk), in float32, never holding the [rows, length, vocab]
     logits (see above). Logits are divided by the sampling temperature so these are the
     log-probs of the distribution we actually sampled from. Rows go through the model
-    `micro_batch` at a time. Differentiable; the same call serves old/ref log-probs (under
+    `micro_batch` at a time, grouped by length and each group cut to its longest row
+    (`micro_batches`; `plan` gives other groups). Differentiable; the same call serves old/ref log-probs (under
     no_grad) and the update. The entropy (return_entropy) carries gradient only with
     entropy_grad (PPO's entropy bonus); as a statistic it builds no graph.
 
@@ -202,16 +224,15 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
                         f"got {type(inner).__name__}")
     want = attention_mask.bool() if positions is None else attention_mask.bool() & positions.bool()
     chunk = chunk_size or max(1, LOGIT_CHUNK_ELEMS // head.out_features)
-    outs = []
+    out = torch.zeros(N, T, 2, dtype=torch.float32, device=input_ids.device)
     try:
-        for s in range(0, N, micro_batch):
-            ids = input_ids[s:s + micro_batch]
-            inner.set_output_embeddings(_LogprobHead(head, ids, want[s:s + micro_batch], temperature, chunk,
+        for idx, width in plan or micro_batches(attention_mask, micro_batch):
+            ids = input_ids[idx, :width]
+            inner.set_output_embeddings(_LogprobHead(head, ids, want[idx, :width], temperature, chunk,
                                                      return_entropy, entropy_grad and torch.is_grad_enabled()))
-            outs.append(model(input_ids=ids, attention_mask=attention_mask[s:s + micro_batch], use_cache=False).logits)
+            out[idx, :width] = model(input_ids=ids, attention_mask=attention_mask[idx, :width], use_cache=False).logits
     finally:
         inner.set_output_embeddings(head)
-    out = torch.cat(outs)
     logprobs = out[..., 0]
     if not return_entropy:
         return logprobs

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from logprobs import micro_batches
 from update import UpdateConfig, all_sum, clipped_surrogate, kl_penalty, masked_mean, masked_sum, update_loop
 
 
@@ -90,11 +91,13 @@ class ValueModel(nn.Module):
 @torch.no_grad()
 def critic_values(critic, batch, micro_batch_size=8):
     """The critic's values at rollout time: Batch -> [N, T] float32 on the CPU (values[t] =
-    V(x_<t), see the alignment convention above), computed micro_batch_size rows at a time."""
+    V(x_<t), see the alignment convention above), computed micro_batch_size rows at a time,
+    grouped by length and each group cut to its longest row (logprobs.micro_batches)."""
     dev = next(critic.parameters()).device
-    out = [critic(batch.input_ids[s:s + micro_batch_size].to(dev), batch.attention_mask[s:s + micro_batch_size].to(dev)).cpu()
-           for s in range(0, len(batch), micro_batch_size)]
-    return torch.cat(out) if out else torch.zeros_like(batch.input_ids, dtype=torch.float32)
+    out = torch.zeros_like(batch.input_ids, dtype=torch.float32)
+    for idx, width in micro_batches(batch.attention_mask, micro_batch_size):
+        out[idx, :width] = critic(batch.input_ids[idx, :width].to(dev), batch.attention_mask[idx, :width].to(dev)).cpu()
+    return out
 
 
 # --------------------------------------------------------------------------------------------

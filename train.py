@@ -164,6 +164,10 @@ def train(cfg: Config) -> dict:
                  f" (a collective waits at most {process_group_timeout(cfg):.0f} s)"
                  if accelerator.num_processes > 1 else "")
         log.info("preset %s, %s: %s", cfg.preset, cfg.algo, " ".join(f"{k}={v}" for k, v in recipe(cfg).items()))
+        if cfg.simulator != "rule":  # --simulator-concurrency bounds each process's calls
+            log.info("simulator calls in flight: at most %d per process, %d in all (%d processes)",
+                     cfg.simulator_concurrency, cfg.simulator_concurrency * accelerator.num_processes,
+                     accelerator.num_processes)
     # AdamW with a linear warmup, actor and critic separately (official RLVER: 2% and 5%). One
     # prepare call per model: FSDP2 shards one model per call and re-points that model's
     # optimizer at the sharded parameters ("Only one model is supported when using FSDP2").
@@ -272,7 +276,7 @@ def train(cfg: Config) -> dict:
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             save_checkpoint(accelerator, cfg, step + 1)
 
-    save_final(accelerator, policy, tok, os.path.join(cfg.output_dir, "final"))
+    save_final(accelerator, policy, tok, os.path.join(cfg.output_dir, "final"), dtype)
     if accelerator.is_main_process:
         plot_curve(os.path.join(cfg.output_dir, "metrics.jsonl"), os.path.join(cfg.output_dir, "reward_curve.png"),
                    f"RLVER {cfg.algo.upper()} ({cfg.preset} preset)")

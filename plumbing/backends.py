@@ -56,7 +56,9 @@ class SimulatorArgs:
     simulator_call_budget: float = field(default=300.0, metadata={
         "help": "seconds one simulator call may take with all its retries; then the dialogue ends as "
                 "simulator_error"})
-    simulator_concurrency: int = field(default=64, metadata={"help": "simulator calls in flight at once"})
+    simulator_concurrency: int = field(default=64, metadata={
+        "help": "simulator calls in flight at once, per process: under accelerate launch the server sees up to "
+                "this x the process count (train.py logs the total at the start)"})
     user: Literal["standard", "challenging"] = field(default="standard", metadata={
         "help": "simulated user: standard (SAGE) | challenging (paper Table 3: never reveals its goal, unclamped "
                 "change)"})

@@ -13,6 +13,7 @@ import logging
 import os
 import shlex
 import shutil
+import sys
 
 import torch
 from accelerate.utils import broadcast_object_list
@@ -88,9 +89,36 @@ def resume_hint(cfg, argv: list[str]) -> str:
             skip = True  # its value is the next word
         elif not a.startswith("--resume="):
             args.append(a)
-    launcher = ["accelerate", "launch"] if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ["python"]
-    command = shlex.join([*launcher, "train.py", *args, "--resume", "auto"])
+    command = shlex.join([*launch_command(), *args, "--resume", "auto"])
     return f"{kept}; continue with: {command} (steps after the checkpoint are done again)"
+
+
+def launch_command() -> list[str]:
+    """The words that started this process, up to its script: `python train.py`, or under a
+    launcher (several processes) the launcher's own command line, read from the parent process
+    (`accelerate launch --config_file configs/fsdp_8gpu.yaml --num_machines 2 ... train.py`):
+    run as printed, a resumed run gets the same config file, process count and node flags.
+    Paths inside the working directory are made relative to it."""
+    script = os.path.basename(sys.argv[0])
+    if not script.endswith(".py") or script == "__main__.py":  # train.main() called from elsewhere
+        script = "train.py"
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return ["python", "train.py"]
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            words = [w.decode() for w in f.read().split(b"\0") if w]
+        words = words[:next(i for i, w in enumerate(words) if os.path.basename(w) == script) + 1]
+    except (OSError, UnicodeDecodeError, StopIteration):  # no /proc, or a launcher that hides the script
+        return ["accelerate", "launch", script]
+    if os.path.basename(words[0]).startswith("python") and len(words) > 1 and not words[1].startswith("-") \
+            and not words[1].endswith(".py"):  # python /path/to/bin/accelerate launch ...: the console script
+        words = words[1:]
+    if os.path.basename(words[0]).startswith("python"):
+        words[0] = "python"
+    else:
+        words[0] = os.path.basename(words[0])  # .../bin/accelerate, .../bin/torchrun
+    here = os.getcwd() + os.sep
+    return [w[len(here):] if w.startswith(here) else w for w in words]
 
 
 def _remove(path: str):
@@ -141,15 +169,31 @@ def save_checkpoint(accelerator, cfg, step):
     accelerator.wait_for_everyone()
 
 
-def save_final(accelerator, policy, tok, path):
+def save_final(accelerator, policy, tok, path, dtype=None):
     """The policy in plain Hugging Face format (evaluate.py and transformers load it). Under
-    FSDP the full state dict is gathered to the main process, which writes it."""
+    FSDP the full state dict is gathered to the main process, which writes it. `dtype`: the
+    dtype to save in, the training's compute dtype (bf16 under bf16 mixed precision, whose
+    master weights are fp32: a 7B model would be 30 GB in fp32, and its config would say so),
+    written into the config too; None: as the weights are."""
     accelerator.wait_for_everyone()
     state = accelerator.get_state_dict(policy)
     if accelerator.is_main_process:
+        model = accelerator.unwrap_model(policy)
+        if dtype is not None:
+            cast = {}  # by storage: tied tensors (an embedding shared with the LM head) stay one
+            state = {k: cast.setdefault(v.data_ptr(), v.to(dtype)) if v.is_floating_point() else v
+                     for k, v in state.items()}
         with written_atomically(path) as tmp:  # a crash mid-save leaves the old final/ or none
-            accelerator.unwrap_model(policy).save_pretrained(tmp, state_dict=state)
+            model.save_pretrained(tmp, state_dict=state)
             tok.save_pretrained(tmp)
+            if dtype is not None:  # save_pretrained writes the parameters' dtype (fp32) into config.json
+                config_file = os.path.join(tmp, "config.json")
+                with open(config_file) as f:
+                    config = json.load(f)
+                config["dtype"] = str(dtype).removeprefix("torch.")
+                with open(config_file, "w") as f:
+                    json.dump(config, f, indent=2, sort_keys=True)
+                    f.write("\n")
     accelerator.wait_for_everyone()
 
 

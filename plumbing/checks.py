@@ -8,8 +8,10 @@ refuses the key or the model raises plumbing.backends.EndpointError: also one li
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import logging
 import os
 import tempfile
 
@@ -22,6 +24,8 @@ from plumbing.checkpoints import checkpoint_state, find_resume
 from plumbing.engines import engine_problem
 from plumbing.models import smollm2_missing
 from plumbing.scenarios import ScenarioError, load_scenarios
+
+log = logging.getLogger("train")
 
 
 class InputError(Exception):
@@ -199,6 +203,9 @@ def make_output_dir(flag: str, path: str):
         raise InputError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
 
 
+NO_LOCKING = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP}  # "no locking here"
+
+
 def lock_output_dir(path: str):
     """One run per output directory: two runs would interleave their metrics and overwrite each
     other's checkpoints. An exclusive lock (flock) on `.lock` in the directory, held until the
@@ -215,6 +222,13 @@ def lock_output_dir(path: str):
         pid = f.read().strip() or "unknown"
         f.close()
         raise InputError(f"--output-dir {path}: in use by another run (pid {pid})") from None
+    except OSError as e:
+        if e.errno not in NO_LOCKING:
+            raise
+        # A file system without flock (Lustre mounted without it, some NFS): no lock here, but
+        # no reason to stop every rank with a traceback either.
+        log.warning("--output-dir %s: this file system has no file locks (%s): a second run in it would not be "
+                    "refused", path, errno.errorcode.get(e.errno, e.errno))
     f.truncate(0)
     f.write(str(os.getpid()))
     f.flush()

@@ -23,8 +23,8 @@ import os
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object
-from torch.distributed.fsdp import register_fsdp_forward_method
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, gather_object
+from torch.distributed.fsdp import MixedPrecisionPolicy, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
@@ -44,8 +44,18 @@ def make_accelerator(cfg):
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() else "no"
     pg = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=process_group_timeout(cfg)))
+    fsdp_plugin = None
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("FSDP_VERSION") == "2" \
+            and mp == "bf16":  # (FSDP1 is refused below, in one line: its plugin takes no such policy)
+        # Compute in bf16, reduce gradients in fp32. accelerate's own policy under bf16 reduces
+        # in bf16 too (param = reduce = bf16: utils/dataclasses.py, set_mixed_precision), and a
+        # bf16 reduce-scatter over 8 or more ranks rounds away what the fp32 master weights are
+        # there to keep at lr 1e-6 (verl reduces in fp32). Its config file has no key for it;
+        # the rest of the plugin comes from the launcher's FSDP_* settings, as it would.
+        fsdp_plugin = FullyShardedDataParallelPlugin(mixed_precision_policy=MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     accelerator = Accelerator(mixed_precision=mp, log_with=trackers(cfg), project_dir=cfg.output_dir,
-                              step_scheduler_with_optimizer=False, kwargs_handlers=[pg])
+                              step_scheduler_with_optimizer=False, kwargs_handlers=[pg], fsdp_plugin=fsdp_plugin)
     check_launch(accelerator)
     if cfg.batch_size % accelerator.num_processes:
         raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes "

@@ -13,7 +13,8 @@ dialogue on its own); this file is the engine's set-up and its pump:
                        several processes vLLM's external-launcher executor, so that each engine
                        runs on its own process's device, inside the trainer's process group
   push                 the policy's current weights into it, no disk round trip: under FSDP2 each
-                       sharded tensor gathered whole (one collective per tensor), under DDP the
+                       sharded tensor cast to the engine's dtype, then gathered whole (one
+                       collective per tensor), under DDP the
                        local module's; then the prefix cache is dropped (it holds old-weight KV)
   play                 every dialogue in a thread of its own; this thread steps the engine, so a
                        dialogue's next turn enters it as soon as its user has answered
@@ -102,7 +103,7 @@ class VLLMEngine:
         # ("dummy"), then the policy's own through push() before the first rollout.
         self.folder = tempfile.mkdtemp(prefix="rlver-vllm-")
         config.save_pretrained(self.folder)
-        dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.dtype = dtype = torch.bfloat16 if self.cuda else torch.float32
         kw = dict(model=self.folder, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, seed=seed,
                   generation_config="vllm", logprobs_mode="processed_logprobs", max_model_len=self.max_len,
                   enforce_eager=not self.cuda)
@@ -152,15 +153,23 @@ class VLLMEngine:
     def push(self, model):
         """The policy's current weights into the engine (call before each rollout). state_dict
         keeps a tied LM head's own key (named_parameters drops it, and vLLM would keep a stale
-        head); a sharded FSDP2 tensor is gathered whole, one collective per tensor, streamed."""
+        head); a sharded FSDP2 tensor is gathered whole, one collective per tensor, streamed, each
+        shard cast to the engine's dtype first (bf16 on a GPU: half the bytes of gathering the
+        fp32 master weights, and the engine would cast them anyway)."""
         if self.asleep:  # wake the weights first, the KV cache after the push (less peak memory)
+            # The update's freed blocks stay in PyTorch's cache, where vLLM's own allocator
+            # cannot use them: hand them back first (as TRL does before wake_up(tags=["weights"])).
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
 
         def weights():
             for name, tensor in model.state_dict().items():
+                tensor = tensor.detach()
+                if tensor.is_floating_point():
+                    tensor = tensor.to(self.dtype)  # a DTensor casts shard by shard, no gather
                 if isinstance(tensor, DTensor):
                     tensor = tensor.full_tensor()
-                yield name, tensor.detach()
+                yield name, tensor
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])

@@ -112,3 +112,15 @@ def test_bench_step_toy(tmp_path):
     assert sep["steps"] == upd["steps"] == 2 and sep["step_s"] > 0 and upd["step_s"] > 0 and upd["step_ratio"] > 0
     assert sep["rewards"] == upd["rewards"]
     assert sep["mismatch_mean"] is not None and upd["mismatch_mean"] == pytest.approx(sep["mismatch_mean"], abs=1e-6)
+
+
+def test_bench_logprob_pass_toy(tmp_path):
+    """Issue 41 item 3: the three ways of grouping rows give the same log-probs; the grouped
+    ways process fewer tokens than the full width."""
+    rc, _, log, res = bench(tmp_path, "bench_logprob_pass.py", "--model-size", "tiny", "--rows", "8", "--min-len", "8",
+                            "--max-len", "64", "--micro-batch", "2")
+    assert rc == 0, log[-3000:]
+    r = res["results"]
+    assert res["failed"] == {} and set(r) == {"full width", "trimmed", "grouped"}
+    assert r["grouped"]["tokens_processed"] <= r["trimmed"]["tokens_processed"] < r["full width"]["tokens_processed"]
+    assert all(x["seconds"] > 0 and x["max_abs_diff"] < 1e-4 for x in r.values())

@@ -108,6 +108,11 @@ def test_a_checkpoint_one_process_cannot_write_ends_every_process_in_one_line(tm
     assert rc == 1 and "Traceback" not in log, log[-3000:]
     assert any("No space left on device" in l for l in lines), log[-3000:]
     assert all("step_000001" in l and "continue with:" in l for l in lines), lines
+    # issue 41 item 7: the command that continues is the one that started the run, launcher
+    # and all (it printed `accelerate launch train.py ...`: run as printed, another launch)
+    assert all("continue with: python tests/cpu_launch.py --nproc 2 --mode ddp --timeout 200 -- "
+               "tests/mp_save_fault.py --batch-size 4" in l and l.endswith("(steps after the checkpoint are done again)")
+               for l in lines), lines
     assert not os.path.exists(tmp_path / "checkpoints" / "step_000001")
 
 
@@ -121,8 +126,12 @@ def test_fsdp2_ppo_runs_with_sharded_generation(tmp_path):
     assert os.path.isfile(tmp_path / "checkpoints" / "step_000002" / "trainer_state.json")
 
 
-def test_fsdp1_is_refused_with_one_line(tmp_path):
-    rc, log = launch("fsdp1", "train.py", *TINY, "--steps", "1", "--output-dir", str(tmp_path))
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_fsdp1_is_refused_with_one_line(precision, tmp_path):
+    """Also under bf16 (a GPU's default): the fp32-reduce policy is FSDP2's, and given to FSDP1's
+    plugin it was a traceback before the one-line refusal."""
+    rc, log = launch("fsdp1", "train.py", *TINY, "--steps", "1", "--mixed-precision", precision,
+                     "--output-dir", str(tmp_path))
     assert rc == 2, log[-3000:]
     lines = [l for l in log.splitlines() if "train.py: error:" in l]
     assert lines and all("fsdp_version: 1" in l for l in lines), log[-3000:]
@@ -195,3 +204,21 @@ def test_the_process_group_timeout_is_the_rollouts_worst_case():
         del os.environ["WORLD_SIZE"]
     assert process_group_timeout(types.SimpleNamespace(**{**vars(paper), "simulator": "rule"})) == 1800
     assert process_group_timeout(types.SimpleNamespace(**{**vars(paper), "process_group_timeout": 90.0})) == 90
+
+
+def test_fsdp2_under_bf16_reduces_gradients_in_fp32(tmp_path):
+    """Issue 41 item 1: nothing set FSDP2's MixedPrecisionPolicy, and accelerate's default under
+    bf16 reduces gradients in bf16 across the ranks. The policy train.py's accelerator gives a
+    prepared model on 2 gloo processes: compute in bf16, reduce in fp32. Item 5: the weights it
+    pushes to a bf16 vLLM engine are cast before they are gathered."""
+    out = tmp_path / "policy.json"
+    rc, log = launch("fsdp2", "tests/mp_precision.py", str(out), timeout=200)
+    assert rc == 0, log[-3000:]
+    got = json.loads(out.read_text())
+    assert {k: got[k] for k in ("fsdp", "mixed_precision", "param_dtype", "reduce_dtype", "master")} == {
+        "fsdp": True, "mixed_precision": "bf16", "param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32",
+        "master": "torch.float32"}
+    # Issue 41 item 5: the weight push to a bf16 engine gathers each fp32 shard cast to bf16
+    # first (half the bytes), and hands vLLM whole tensors.
+    assert got["gathers"] > 0 and got["gathered"] == ["torch.bfloat16"], got
+    assert got["pushed"] == ["torch.bfloat16"] and got["pushed_whole"]

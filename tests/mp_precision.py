@@ -1,0 +1,58 @@
+"""Run by tests/test_multiprocess.py under tests/cpu_launch.py --mode fsdp2 (2 gloo processes):
+the FSDP2 mixed-precision policy train.py's accelerator gives a prepared model under
+--mixed-precision bf16, and what plumbing/engines.py's push() gathers from its fp32 shards for a
+bf16 engine (a stand-in for vLLM's LLM records the weights it is given), written to the JSON file
+named on the command line."""
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from plumbing.distributed import make_accelerator  # noqa: E402
+from plumbing.engines import VLLMEngine  # noqa: E402
+from plumbing.models import make_tiny_policy  # noqa: E402
+from train import parse_args  # noqa: E402
+
+
+def main(out):
+    cfg = parse_args(["--mixed-precision", "bf16", "--report-to", "none", "--output-dir", tempfile.mkdtemp()])
+    accelerator, mp, fsdp = make_accelerator(cfg)
+    model, _ = make_tiny_policy(seed=0)
+    model = accelerator.prepare(model)
+    policy = model._get_fsdp_state()._mp_policy  # what FSDP2 casts to (param) and reduces in
+    gathered, full_tensor = [], DTensor.full_tensor
+
+    def recording_full_tensor(self, *a, **kw):  # the dtype each collective moves
+        gathered.append(str(self.dtype))
+        return full_tensor(self, *a, **kw)
+    DTensor.full_tensor = recording_full_tensor
+    engine = object.__new__(VLLMEngine)  # push() alone: a bf16 engine (a GPU's) with a stand-in LLM
+    engine.asleep, engine.dtype, engine.llm = False, torch.bfloat16, _RecordingLLM()
+    engine.push(accelerator.unwrap_model(model))
+    DTensor.full_tensor = full_tensor
+    if accelerator.is_main_process:
+        with open(out, "w") as f:
+            json.dump({"fsdp": fsdp, "mixed_precision": mp, "param_dtype": str(policy.param_dtype),
+                       "reduce_dtype": str(policy.reduce_dtype), "master": str(next(model.parameters()).dtype),
+                       "gathered": sorted(set(gathered)), "gathers": len(gathered),
+                       "pushed": sorted({str(t.dtype) for _, t in engine.llm.weights}),
+                       "pushed_whole": all(not isinstance(t, DTensor) for _, t in engine.llm.weights)}, f)
+    accelerator.wait_for_everyone()
+
+
+class _RecordingLLM:
+    """What push() calls on vLLM's LLM, keeping the weights it is given."""
+
+    def collective_rpc(self, method, kwargs):
+        self.weights = list(kwargs["weights_iterator"])
+
+    def reset_prefix_cache(self):
+        pass
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
