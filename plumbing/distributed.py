@@ -124,7 +124,9 @@ def make_generation_copy(model, device, dtype):
 
 def refresh_generation_copy(model, gen_copy):
     """Copy the current policy weights into the generation copy: one all-gather per sharded
-    tensor (DTensor.full_tensor), streamed, so at most one full tensor is in flight."""
+    tensor (DTensor.full_tensor), streamed, so at most one full tensor is in flight. Each shard
+    is cast to the copy's dtype before it is gathered (bf16 on a GPU: half the bytes of the fp32
+    master weights, the same values once copied; as VLLMEngine.push does)."""
     dst = dict(gen_copy.named_parameters())
     src = dict(model.named_parameters())
     if src.keys() != dst.keys():
@@ -132,7 +134,7 @@ def refresh_generation_copy(model, gen_copy):
     with torch.no_grad():
         for name, p in src.items():
             if isinstance(p, DTensor):  # a shard: gather the full tensor (one collective)
-                p = p.full_tensor()
+                p = p.to(dst[name].dtype).full_tensor()
             dst[name].copy_(p)
 
 

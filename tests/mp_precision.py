@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from plumbing.distributed import make_accelerator  # noqa: E402
+from plumbing.distributed import make_accelerator, make_generation_copy, refresh_generation_copy  # noqa: E402
 from plumbing.engines import VLLMEngine  # noqa: E402
 from plumbing.models import make_tiny_policy  # noqa: E402
 from train import parse_args  # noqa: E402
@@ -33,12 +33,20 @@ def main(out):
     engine = object.__new__(VLLMEngine)  # push() alone: a bf16 engine (a GPU's) with a stand-in LLM
     engine.asleep, engine.dtype, engine.llm = False, torch.bfloat16, _RecordingLLM()
     engine.push(accelerator.unwrap_model(model))
+    pushed_gathers = list(gathered)
+    # --engine hf's generation copy (bf16 on a GPU) is refreshed the same way
+    unwrapped = accelerator.unwrap_model(model)
+    copy = make_generation_copy(unwrapped, "cpu", torch.bfloat16)
+    gathered.clear()
+    refresh_generation_copy(unwrapped, copy)
+    copy_gathers = list(gathered)
     DTensor.full_tensor = full_tensor
     if accelerator.is_main_process:
         with open(out, "w") as f:
             json.dump({"fsdp": fsdp, "mixed_precision": mp, "param_dtype": str(policy.param_dtype),
                        "reduce_dtype": str(policy.reduce_dtype), "master": str(next(model.parameters()).dtype),
-                       "gathered": sorted(set(gathered)), "gathers": len(gathered),
+                       "gathered": sorted(set(pushed_gathers)), "gathers": len(pushed_gathers),
+                       "copy_gathered": sorted(set(copy_gathers)), "copy_gathers": len(copy_gathers),
                        "pushed": sorted({str(t.dtype) for _, t in engine.llm.weights}),
                        "pushed_whole": all(not isinstance(t, DTensor) for _, t in engine.llm.weights)}, f)
     accelerator.wait_for_everyone()

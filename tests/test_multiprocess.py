@@ -222,3 +222,5 @@ def test_fsdp2_under_bf16_reduces_gradients_in_fp32(tmp_path):
     # first (half the bytes), and hands vLLM whole tensors.
     assert got["gathers"] > 0 and got["gathered"] == ["torch.bfloat16"], got
     assert got["pushed"] == ["torch.bfloat16"] and got["pushed_whole"]
+    # and --engine hf's bf16 generation copy is refreshed from bf16 gathers too
+    assert got["copy_gathers"] > 0 and got["copy_gathered"] == ["torch.bfloat16"], got
