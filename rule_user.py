@@ -5,7 +5,8 @@ no LLM, `RuleBackend` plays the same part by rules a reader can check: it grades
 interpretable features, each in [0, 1] (readable text, a fitting length, acknowledging the
 feeling, reflecting the user's own words, an open question, words that serve the hidden goal;
 and, against, repeating itself, echoing its earlier replies, dismissing the user), sums them
-with fixed weights into a change of emotion, and answers with a templated line at the new
+with fixed weights into a change of emotion (the care features paid only for the share of the
+reply's content words that the agent's earlier replies have not said), and answers with a templated line at the new
 emotion level, sometimes with a hint at its hidden goal. Deterministic given (seed, scenario,
 turn, reply). `simulator.Simulator` drives it exactly as it drives an LLM user: it asks
 `appraise(state, reply) -> (change, reasoning)`, `respond(state, final)` and `opening(scenario)`
@@ -160,6 +161,7 @@ class RuleBackend:
     WEIGHTS = {"readable": 3.0, "length_ok": 1.0, "acknowledge": 2.0, "reflect": 1.5,
                "open_question": 1.5, "goal": 3.0, "repetition": -4.0, "echo": -3.0, "dismissive": -6.0,
                "stacked": -2.0, "parrot": -3.0, "unfinished": -2.0}
+    CARE = ("acknowledge", "reflect", "open_question", "goal")  # paid only for the new share (appraise)
     BASELINE = -3.0  # the user is in a bad place: an empty or useless reply makes things worse
     # The challenging user (USERS): only goal-directed replies help (goal weighs most), generic
     # acknowledgement and questions are worth little, gibberish ("garbled" = 1 - readable),
@@ -248,16 +250,24 @@ class RuleBackend:
         pushed = sc.personality_type == "avoidant" and questions(reply) > 1
         if pushed:
             w["open_question"] = -1.5  # pushed too hard: withdraws
-        parts = {k: w[k] * v for k, v in f.items()}
+        # Care is paid for what is new: the care features earn their weight times the share of
+        # the reply's content words the agent's earlier replies have not said (1 - echo; the
+        # user's own words count as new: `reflect` pays for them). A
+        # stock line said again is no care the second time (a SmolLM2 run against a user that
+        # paid it in full said "how it feels" every turn: repeat rate 0.09 -> 0.21, LEARNING.md).
+        new = 1.0 - f["echo"]
+        parts = {k: w[k] * v * (new if k in self.CARE and w[k] > 0 else 1.0) for k, v in f.items()}
         score = baseline + sum(parts.values())
         # The reasoning names every term of the change, so its numbers add up (to rounding).
         terms = [f"baseline {baseline:+.2f}"]
         for k, v in parts.items():
-            if v == 0:
-                continue  # an absent feature adds nothing
+            if v == 0 and not (k in self.CARE and f[k] > 0):
+                continue  # an absent feature adds nothing (care said only in old words shows as +0.00)
             note = ""
             if k == "open_question" and pushed:
                 note = " (avoidant: too many questions)"
+            elif k in self.CARE and new < 1:
+                note = f" ({int(new * 100)}% new)"
             terms.append(f"{k} {v:+.2f}{note}")
         why = "; ".join(terms) + f" = {score:+.2f}"
         if sc.personality_type == "negative":  # hard to please: less gain, bigger loss

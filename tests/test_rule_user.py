@@ -23,11 +23,16 @@ def test_rule_backend_is_deterministic_and_prefers_caring_replies():
         for r in replies:
             st = sim.step(st, r)
         return st
-    caring = ["That sounds so painful. I hear you, and it makes sense you feel hurt. What was the hardest part?"] * 4
+    # four different caring replies: the same one said four times is care only once (appraise)
+    caring = ["That sounds so painful. I hear you, and it makes sense you feel hurt. What was the hardest part?",
+              "Losing work like that is tough. How are you holding up this week?",
+              "I'm sorry, anyone would be shaken. What did they tell you?",
+              "Of course it stings. Which moment keeps coming back?"]
     careless = ["\x07\x13 ~~ ###", "k", "\x00\x01", "..."]
     a, b = run(caring), run(caring)
     assert a.trace == b.trace and a.history == b.history
     assert run(caring).emotion > 50 > run(careless).emotion
+    assert run(caring[:1] * 4).emotion < run(caring).emotion  # one caring line said four times: care once
 
 
 def test_rule_backend_features_are_graded():
@@ -200,3 +205,40 @@ def test_a_finished_reply_with_one_question_beats_the_gamed_replies_of_the_earli
                    for k in range(40)) / 40
     for gamed in EN043_TRAINED:
         assert change(gamed) < change(good) - 1.5, (gamed, change(gamed), change(good))
+
+
+# The replies of the run that met every other line of issue 39's bar (docs/LEARNING.md, run 2),
+# to the held-out scenario en-043: a question about how it feels, said again from the second turn.
+EN043_RUN2 = [("I keep seeing that house. I haven't told anyone.", "How would it feel?”"),
+              ("I don't know... it still feels bad. Am I missing another side?",
+               "How would it feel, if you just says, how it feels?”")]
+
+
+def test_care_said_again_is_paid_only_for_what_is_new():
+    """Issue 39: run 2's policy asked "how would it feel" again from the second turn (held-out
+    repeat rate 0.09 -> 0.21): the care features (acknowledge, reflect, open question, goal) paid
+    in full whatever the reply had said before, and `echo` (-3 x its share) cost less than they
+    paid. They now earn their weight times the share of the reply's content words that is new,
+    so the repeat earns less than a fresh finished reply with one open question, by a margin."""
+    r = RuleBackend()
+    (u1, a1), (u2, a2) = EN043_RUN2
+    fresh = "That sounds heavy to carry alone. What part of it weighs on you most?"
+
+    def change(reply):  # the mean over the stochastic rounding, turn 2 after run 2's first reply
+        total = 0
+        for k in range(40):
+            st = UserState(scenario=sc(id=str(k), goal_type="dialectical", personality_type=""), emotion=50,
+                           history=[{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
+                                    {"role": "user", "content": u2}, {"role": "assistant", "content": reply}])
+            total += r.appraise(st, reply)[0]
+        return total / 40
+    assert r.features(a2, u2, "dialectical", a1)["echo"] == pytest.approx(0.4)  # would, feel of 5 words
+    assert change(a2) < change(fresh) - 2.0, (change(a2), change(fresh))
+    st = UserState(scenario=sc(goal_type="dialectical", personality_type=""), emotion=50,
+                   history=[{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
+                            {"role": "user", "content": u2}, {"role": "assistant", "content": a2}])
+    why = r.appraise(st, a2)[1]
+    assert "open_question +0.90 (60% new)" in why and "echo -1.20" in why
+    # the reasoning still adds up: the terms before "=" sum to the total after it
+    terms, total = why.split(" = ")[0], float(why.split(" = ")[1].split(";")[0])
+    assert sum(float(t.split()[1]) for t in terms.split("; ")) == pytest.approx(total, abs=0.02)
