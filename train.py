@@ -139,7 +139,10 @@ PRESETS = {
 }
 ALGO_DEFAULTS = {"grpo": {"group_size": 4}, "ppo": {"group_size": 1}}
 # PPO has no group: more scenarios per step for the same work.
-PRESET_PPO = {"tiny": {"batch_size": 16}, "smollm2-cpu": {"batch_size": 16, "steps": 56, "save_every": 14}}
+# smollm2-cpu: half GRPO's actor rate (at 1e-4 a PPO run collapsed after 37 steps) and the steps
+# that fit about 45 minutes at PPO's ~55 s a step (docs/LEARNING.md, "PPO on the same preset").
+PRESET_PPO = {"tiny": {"batch_size": 16},
+              "smollm2-cpu": {"batch_size": 16, "steps": 48, "save_every": 12, "actor_lr": 5e-5}}
 
 
 # ============================================================================================
