@@ -6,8 +6,8 @@ interpretable features, each in [0, 1] (readable text, a fitting length, acknowl
 feeling, reflecting the user's own words, an open question, words that serve the hidden goal;
 and, against, repeating itself, echoing its earlier replies, dismissing the user), sums them
 with fixed weights into a change of emotion (the care features paid only for the share of the
-reply's content words that the agent's earlier replies have not said), and answers with a templated line at the new
-emotion level, sometimes with a hint at its hidden goal. Deterministic given (seed, scenario,
+reply's content words that the agent's earlier replies have not said), and answers with a
+templated line at the new emotion level, sometimes with a hint at its hidden goal. Deterministic given (seed, scenario,
 turn, reply). `simulator.Simulator` drives it exactly as it drives an LLM user: it asks
 `appraise(state, reply) -> (change, reasoning)`, `respond(state, final)` and `opening(scenario)`
 instead of sending prompts.
@@ -252,9 +252,9 @@ class RuleBackend:
             w["open_question"] = -1.5  # pushed too hard: withdraws
         # Care is paid for what is new: the care features earn their weight times the share of
         # the reply's content words the agent's earlier replies have not said (1 - echo; the
-        # user's own words count as new: `reflect` pays for them). A
-        # stock line said again is no care the second time (a SmolLM2 run against a user that
-        # paid it in full said "how it feels" every turn: repeat rate 0.09 -> 0.21, LEARNING.md).
+        # user's own words count as new: `reflect` pays for them). A stock line said again is
+        # no care the second time (a SmolLM2 run against a user that paid it in full said "how
+        # it feels" every turn: repeat rate 0.09 -> 0.21, docs/LEARNING.md).
         new = 1.0 - f["echo"]
         parts = {k: w[k] * v * (new if k in self.CARE and w[k] > 0 else 1.0) for k, v in f.items()}
         score = baseline + sum(parts.values())

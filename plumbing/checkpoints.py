@@ -180,9 +180,12 @@ def save_final(accelerator, policy, tok, path, dtype=None):
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(policy)
         if dtype is not None:
-            cast = {}  # by storage: tied tensors (an embedding shared with the LM head) stay one
-            state = {k: cast.setdefault(v.data_ptr(), v.to(dtype)) if v.is_floating_point() else v
-                     for k, v in state.items()}
+            cast = {}  # by storage: tied tensors (an embedding shared with the LM head) cast once, stay one
+            for k, v in state.items():
+                if v.is_floating_point():
+                    if v.data_ptr() not in cast:
+                        cast[v.data_ptr()] = v.to(dtype)
+                    state[k] = cast[v.data_ptr()]
         with written_atomically(path) as tmp:  # a crash mid-save leaves the old final/ or none
             model.save_pretrained(tmp, state_dict=state)
             tok.save_pretrained(tmp)

@@ -11,6 +11,14 @@ from simulator import Simulator, UserState
 from test_simulator import sc
 
 
+def mean_change(state: UserState, reply: str, draws: int = 40) -> float:
+    """The rule user's change for `reply` at `state`, averaged over its stochastic rounding (whose
+    draw is seeded by the scenario id: the same appraisal under `draws` ids)."""
+    r = RuleBackend()
+    return sum(r.appraise(dataclasses.replace(state, scenario=dataclasses.replace(state.scenario, id=str(k))), reply)[0]
+               for k in range(draws)) / draws
+
+
 def test_emotion_levels():
     assert [emotion_level(e) for e in (0, 19, 20, 45, 79, 80, 100)] == [1, 1, 2, 3, 4, 5, 5]
 
@@ -64,13 +72,10 @@ def test_avoidant_user_dislikes_many_questions():
 
 
 def test_rule_challenging_user_weighs_goal_more_and_gibberish_harder():
-    r = RuleBackend()
-
     def change(user, reply, goal="advice"):
         st = UserState(scenario=sc(goal_type=goal, personality_type=""), emotion=50, user=user,
                        history=[{"role": "user", "content": "I lost my job."}, {"role": "assistant", "content": reply}])
-        return sum(r.appraise(dataclasses.replace(st, scenario=dataclasses.replace(st.scenario, id=str(k))), reply)[0]
-                   for k in range(40)) / 40  # mean over the stochastic rounding
+        return mean_change(st, reply)
     generic = "That sounds really hard, I understand how you feel."
     goal = "Maybe you could try a plan: one small step, then suggest the next."
     garbled = "\x07\x13 ~~ ### \x01"
@@ -196,13 +201,11 @@ def test_a_finished_reply_with_one_question_beats_the_gamed_replies_of_the_earli
     earn less than a finished reply with one open question that names the feeling and the topic,
     for the standard user and the challenging one (its own weights)."""
     good = "That sounds really painful, seeing that house again. What about it stays with you most?"
-    r = RuleBackend()
 
-    def change(reply):  # the mean over the stochastic rounding, as in test_rule_challenging_user...
-        st = UserState(scenario=sc(goal_type="empathy", personality_type=""), emotion=50, user=user,
-                       history=[{"role": "user", "content": EN043_USER}, {"role": "assistant", "content": reply}])
-        return sum(r.appraise(dataclasses.replace(st, scenario=dataclasses.replace(st.scenario, id=str(k))), reply)[0]
-                   for k in range(40)) / 40
+    def change(reply):
+        return mean_change(UserState(scenario=sc(goal_type="empathy", personality_type=""), emotion=50, user=user,
+                                     history=[{"role": "user", "content": EN043_USER},
+                                              {"role": "assistant", "content": reply}]), reply)
     for gamed in EN043_TRAINED:
         assert change(gamed) < change(good) - 1.5, (gamed, change(gamed), change(good))
 
@@ -224,20 +227,14 @@ def test_care_said_again_is_paid_only_for_what_is_new():
     (u1, a1), (u2, a2) = EN043_RUN2
     fresh = "That sounds heavy to carry alone. What part of it weighs on you most?"
 
-    def change(reply):  # the mean over the stochastic rounding, turn 2 after run 2's first reply
-        total = 0
-        for k in range(40):
-            st = UserState(scenario=sc(id=str(k), goal_type="dialectical", personality_type=""), emotion=50,
-                           history=[{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
-                                    {"role": "user", "content": u2}, {"role": "assistant", "content": reply}])
-            total += r.appraise(st, reply)[0]
-        return total / 40
+    def turn2(reply):  # the second turn, after run 2's first reply
+        return UserState(scenario=sc(goal_type="dialectical", personality_type=""), emotion=50,
+                         history=[{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
+                                  {"role": "user", "content": u2}, {"role": "assistant", "content": reply}])
     assert r.features(a2, u2, "dialectical", a1)["echo"] == pytest.approx(0.4)  # would, feel of 5 words
-    assert change(a2) < change(fresh) - 2.0, (change(a2), change(fresh))
-    st = UserState(scenario=sc(goal_type="dialectical", personality_type=""), emotion=50,
-                   history=[{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
-                            {"role": "user", "content": u2}, {"role": "assistant", "content": a2}])
-    why = r.appraise(st, a2)[1]
+    assert mean_change(turn2(a2), a2) < mean_change(turn2(fresh), fresh) - 2.0, \
+        (mean_change(turn2(a2), a2), mean_change(turn2(fresh), fresh))
+    why = r.appraise(turn2(a2), a2)[1]
     assert "open_question +0.90 (60% new)" in why and "echo -1.20" in why
     # the reasoning still adds up: the terms before "=" sum to the total after it
     terms, total = why.split(" = ")[0], float(why.split(" = ")[1].split(";")[0])
