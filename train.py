@@ -48,7 +48,7 @@ from plumbing.distributed import (gather_rollout_stats, make_accelerator, make_g
                                   process_group_timeout,
                                   reduce_stats, run_rollout, sampler_mismatch)
 from plumbing.engines import EngineArgs, VLLMEngine
-from plumbing.logs import fmt, plot_curve, warn_empty_step, write_logs
+from plumbing.logs import UnscoredRun, fmt, plot_curve, unscored_problem, warn_empty_step, write_logs
 from plumbing.models import load_models, make_optimizer, warmup_length
 from ppo import PPOConfig, ppo_update
 from rollout import RolloutConfig
@@ -96,6 +96,9 @@ class RunArgs:
         "help": "metrics.jsonl, samples.jsonl, checkpoints/, final/"})
     resume: str = field(default="", metadata={"help": "'auto' (latest in output_dir) or a checkpoint dir"})
     save_every: int = field(default=10, metadata={"help": "steps between checkpoints"})
+    max_unscored_steps: int = field(default=3, metadata={
+        "help": "stop (exit 1, no final/) after this many steps in a row in which no dialogue was scored: a "
+                "simulated user that fails every call teaches nothing"})
     keep_last: int = field(default=2, metadata={"help": "checkpoints kept"})
     seed: int = field(default=0, metadata={
         "help": "seed of the scenarios' order, the sampling, the minibatch order and the tiny model's weights"})
@@ -200,7 +203,7 @@ def train(cfg: Config) -> dict:
 
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"{cfg.algo}",
                disable=not accelerator.is_main_process, dynamic_ncols=True)
-    last = {}
+    last, unscored = {}, 0  # unscored: steps in a row with no dialogue to learn from
     for step in bar:
         t0 = time.time()
         # ------------------------------------------------------------------------------------
@@ -278,6 +281,9 @@ def train(cfg: Config) -> dict:
         last = row
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             save_checkpoint(accelerator, cfg, step + 1)
+        unscored = unscored + 1 if skipped else 0
+        if unscored >= cfg.max_unscored_steps:  # not a run that learned nothing and exits 0
+            raise UnscoredRun(unscored_problem(batch, step, unscored))
 
     save_final(accelerator, policy, tok, os.path.join(cfg.output_dir, "final"), dtype)
     if accelerator.is_main_process:
@@ -379,6 +385,10 @@ def main(argv=None):
     except EndpointError as e:  # said by every process that met it (the main one may not have)
         sys.stderr.write(f"train.py: error: {e}\n")
         return 2
+    except UnscoredRun as e:  # every process stops at the same step
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"train.py: error: {e}; {resume_hint(cfg, argv)}\n")
+        return 1
     except SaveError as e:  # said by the main process, and by any other whose own write failed
         if os.environ.get("RANK", "0") == "0" or not e.elsewhere:
             sys.stderr.write(f"train.py: error: {e}; {resume_hint(cfg, argv)}\n")

@@ -60,7 +60,7 @@ def run(way: str, args, model: str, folder: str) -> dict:
     wall = time.perf_counter() - t0
     if rc != 0:
         raise RuntimeError(f"train.py exited {rc}")
-    rows = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl")) if line.strip()]
+    rows = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"), encoding="utf-8") if line.strip()]
     timed = rows[1:] or rows  # the first step warms the engine up
     return {"steps": len(rows), "wall_s": wall, "step_s": sum(r["step_time"] for r in timed) / len(timed),
             "rollout_s": sum(r["rollout_time"] for r in timed) / len(timed),

@@ -70,7 +70,7 @@ def peak_reset():
     if torch.cuda.is_available():
         torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated() / 2**20
-    with open("/proc/self/clear_refs", "w") as f:
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")
     return rss_mb()
 
@@ -80,7 +80,7 @@ def peak_since(base):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() / 2**20 - base
-    with open("/proc/self/status") as f:
+    with open("/proc/self/status", encoding="ascii") as f:
         hwm = next(int(l.split()[1]) for l in f if l.startswith("VmHWM"))
     return hwm / 1024 - base
 

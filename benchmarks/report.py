@@ -21,7 +21,7 @@ def finish(json_path, results: dict, failed: dict, skipped: dict | None = None, 
     for name, why in failed.items():
         print(f"FAILED {name}: {why}")
     if json_path:
-        with open(json_path, "w") as f:
+        with open(json_path, "w", encoding="utf-8") as f:
             json.dump({"command": cmd or command(), "results": results, "failed": failed,
                        "skipped": skipped or {}}, f, indent=1)
     return 1 if failed else 0

@@ -8,7 +8,7 @@ The Simulator (simulator.py) asks its backend `chat(messages) -> str`. The backe
   HFBackend      a local transformers chat model
   CachedBackend  a wrapper that stores each parsed answer on disk and replays it on a rerun
   make_backend   the --simulator* flags (SimulatorArgs) -> a backend; `rule` is the offline
-                 rule_user.RuleBackend. Every flag's range is checked here, once for all scripts
+                 rule_user.RuleBackend (the float flags' ranges: plumbing.checks.check_floats)
   make_simulator those flags -> the simulator.Simulator that plays them (train.py, evaluate.py, demo)
   Asker          the `ask` the scripts give Simulator and judge.LLMJudge (ask_until_parsed: a call
                  budget, backend errors as failed tries, non-text answers refused, retry counts)
@@ -69,14 +69,11 @@ class SimulatorArgs:
 
 
 def make_backend(args: SimulatorArgs, seed: int = 0, max_retries: int = 4):
-    """Flag values -> backend. Raises ValueError (one line naming the flag) on missing settings
-    or values out of range, before anything is loaded."""
-    for flag, ok, need in [("--simulator-timeout", args.simulator_timeout > 0, "> 0"),  # (NaN fails too)
-                           ("--simulator-call-budget", args.simulator_call_budget > 0, "> 0"),
-                           ("--simulator-concurrency", args.simulator_concurrency >= 1, ">= 1"),
-                           ("--simulator-temperature", args.simulator_temperature >= 0, ">= 0")]:
-        if not ok:
-            raise ValueError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: must be {need}")
+    """Flag values -> backend. Raises ValueError (one line naming the flag) on missing settings,
+    before anything is loaded. (The float flags' ranges: plumbing.checks.check_floats, which
+    every script calls first.)"""
+    if args.simulator_concurrency < 1:
+        raise ValueError(f"--simulator-concurrency {args.simulator_concurrency}: must be >= 1")
     if args.simulator == "rule":
         return RuleBackend(seed=seed)
     if args.simulator == "openai":
@@ -171,37 +168,55 @@ def is_text(value) -> bool:
     return True
 
 
-def answer_schema(parser, max_change: int = 10) -> dict | None:
+# Free text in an answer is bounded in characters (JSON schema's maxLength), and every character
+# may cost up to TOKENS_PER_CHAR tokens: a byte-level BPE tokenizer writes a character it has no
+# merge for as its UTF-8 bytes, 3 for a Chinese one (SAGE's and RLVER's profiles are Chinese).
+# Measured with SmolLM2's tokenizer on simulator.py's Chinese prompts: 1.74 tokens a character,
+# 3 at most. Each field also costs its key, quotes and punctuation (TOKENS_PER_FIELD).
+TOKENS_PER_CHAR, TOKENS_PER_FIELD = 3, 16
+
+
+def text_bound(max_tokens: int, texts: int, fields: int) -> int:
+    """Characters each of `texts` free-text fields may hold so that the whole answer (`fields`
+    keys and values in all) fits in `max_tokens`, whatever the language."""
+    return max(1, (max_tokens - TOKENS_PER_FIELD * (fields + 1)) // (TOKENS_PER_CHAR * texts))
+
+
+def answer_schema(parser, max_change: int = 10, max_tokens: int = 1024) -> dict | None:
     """The JSON schema of the answer `parser` reads: the fields and types it takes, for servers
     with structured outputs (None: a parser of ours it does not know). The simulated user's
     appraisal (its change an integer within the user's bound: [-10, 10] for the standard user),
     its reply or opening line, and the LLM judge's scores and strategy labels. Every field is
     required and nothing else allowed, as OpenAI's strict mode wants. Free text has a length
-    bound (`maxLength`, characters) well inside the answer's max_tokens: a model that rambles
-    inside a string would otherwise run into the token limit and the whole answer be lost
-    (SmolLM2 as the judge did, at 1,024 tokens); the bound makes the grammar close the string."""
+    bound (`maxLength`, characters: text_bound) that fits the answer's `max_tokens` even in
+    Chinese: a model that rambles inside a string would otherwise run into the token limit and
+    the whole answer be lost (SmolLM2 as the judge did, at 1,024 tokens); the bound makes the
+    grammar close the string."""
     from judge import DIMENSIONS, STRATEGIES, parse_judgement, parse_labels
     from simulator import parse_appraisal, parse_opening, parse_reply
 
     def obj(**props):
         return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
-    def text(chars: int):
-        return {"type": "string", "maxLength": chars}
+    def text(texts: int, fields: int):
+        return {"type": "string", "maxLength": text_bound(max_tokens, texts, fields)}
     fn = getattr(parser, "func", parser)  # a functools.partial of a parser (parse_labels with n)
     if fn is parse_appraisal:
-        return obj(analysis=text(800), change={"type": "integer", "minimum": -max_change, "maximum": max_change})
+        return obj(analysis=text(1, 2), change={"type": "integer", "minimum": -max_change, "maximum": max_change})
     if fn is parse_reply:
-        return obj(thinking=text(600), reply=text(600))
+        return obj(thinking=text(2, 2), reply=text(2, 2))
     if fn is parse_opening:  # the opening prompts ask for the line alone
-        return obj(reply=text(600))
+        return obj(reply=text(1, 1))
     if fn is parse_judgement:
         score = {"type": "integer", "minimum": 1, "maximum": 5}  # the form judge_messages asks for
-        return obj(**{d: obj(evaluation=text(300), score=score) for d in DIMENSIONS})
+        n = len(DIMENSIONS)  # n objects of two fields each
+        return obj(**{d: obj(evaluation=text(n, 3 * n), score=score) for d in DIMENSIONS})
     if fn is parse_labels:
         n = getattr(parser, "keywords", {}).get("n")
         if n is None:  # the count of turns is unknown: no schema
             return None
-        turn = {"type": "array", "items": {"type": "string", "enum": list(STRATEGIES)}}
+        # A turn's labels: each strategy at most once (parse_labels reads them as a set).
+        turn = {"type": "array", "items": {"type": "string", "enum": list(STRATEGIES)}, "uniqueItems": True,
+                "maxItems": len(STRATEGIES)}
         return obj(turns={"type": "array", "items": turn, "minItems": n, "maxItems": n})
     return None
 
@@ -219,7 +234,7 @@ class Asker:
 
     def __call__(self, backend, messages, parser, tries: int):
         return ask_until_parsed(backend, messages, parser, tries, self.budget, self._count, log, self.who,
-                                answer_schema(parser, self.max_change))
+                                answer_schema(parser, self.max_change, getattr(backend, "max_tokens", None) or 1024))
 
     def _count(self):
         with self._lock:
@@ -285,13 +300,14 @@ class OpenAIBackend:
     takes_deadline = True  # chat(messages, deadline=..., schema=...): see Asker
     MAX_ANSWER_BYTES = 256 * 1024  # a simulated user's line is ~1 KB; a bigger answer is a fault
     # How the answer is constrained, best first: structured outputs (the exact JSON schema the
-    # parser reads: vLLM, SGLang, llama.cpp's server, OpenAI), JSON mode, plain text. A 400 that
-    # names response_format moves the endpoint one down for the rest of the run, logged once.
+    # parser reads: vLLM, SGLang, llama.cpp's server, OpenAI), JSON mode, plain text. A format
+    # refused (refuses_format) and the next one answered moves the endpoint down for the rest of
+    # the run, logged once.
     FORMATS = {"json_schema": "structured outputs (a JSON schema)", "json_object": "JSON mode", "text": "plain text"}
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
                  temperature: float = 0.7, timeout: float = 60.0, max_retries: int = 4,
-                 json_mode: bool = True, max_tokens: int = 512, flag: str = "--simulator"):
+                 json_mode: bool = True, max_tokens: int = 1024, flag: str = "--simulator"):
         self.base_url, self.model, self.temperature = base_url, model, temperature
         self.format, self.max_tokens = "json_schema" if json_mode else "text", max_tokens
         self.timeout, self.max_retries = timeout, max_retries
@@ -321,8 +337,9 @@ class OpenAIBackend:
         outputs (else JSON mode)."""
         kw = dict(model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens)
         k = 0  # failed tries so far
+        asked = fmt = "json_object" if self.format == "json_schema" and schema is None else self.format
+        refusal = ""  # why the server refused the format this call began with
         while True:
-            fmt = "json_object" if self.format == "json_schema" and schema is None else self.format
             kw.pop("response_format", None)
             if fmt == "json_schema":
                 kw["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
@@ -338,16 +355,16 @@ class OpenAIBackend:
             except openai.APIStatusError as e:
                 if e.status_code in (401, 403, 404):
                     raise EndpointError(self._endpoint_problem(e.status_code)) from None
-                if e.status_code == 400 and fmt != "text" and "response_format" in str(e):
-                    # The server lacks this format (the 400 says so): ask again at once with the
-                    # next one, from now on; not a failed try. Any other 400 (e.g. the context is
-                    # too long) is a failed call, not this.
-                    with self._lock:
-                        formats = list(self.FORMATS)
-                        if formats.index(self.format) <= formats.index(fmt):  # once, whichever call met it first
-                            self.format = formats[formats.index(fmt) + 1]
-                            log.warning("%s endpoint rejected %s; continuing with %s", self.flag,
-                                        self.FORMATS[fmt], self.FORMATS[self.format])
+                if fmt != "text" and refuses_format(e.status_code):
+                    # Perhaps the server lacks this format. Servers say so in many ways: a 400
+                    # naming response_format (OpenAI), a 400 naming the grammar backend (vLLM's
+                    # xgrammar), a 422 (DeepSeek's "json_schema is unavailable now", TGI,
+                    # FastAPI validation). So ask again at once with the next format, which is
+                    # not a failed try; the endpoint keeps the step-down only if that request is
+                    # answered (below): a 400 for another reason (the context is too long) is
+                    # refused in every format and ends as a failed try.
+                    refusal = refusal or self._redact(e.message)[:200]  # "Error code: 422 - {...}"
+                    fmt = list(self.FORMATS)[list(self.FORMATS).index(fmt) + 1]
                     continue
                 error = e
             except (openai.APIConnectionError, TimeoutError) as e:  # also the client's timeouts
@@ -359,6 +376,13 @@ class OpenAIBackend:
             with self._lock:
                 self.retries += 1
             time.sleep(wait)
+        if fmt != asked:  # a lower format was answered: the endpoint keeps it, logged once
+            formats = list(self.FORMATS)
+            with self._lock:
+                if formats.index(self.format) < formats.index(fmt):  # once, whichever call met it first
+                    log.warning("%s endpoint refused %s (%s); continuing with %s", self.flag,
+                                self.FORMATS[asked], refusal, self.FORMATS[fmt])
+                    self.format = fmt
         return self._content(body)
 
     def _request(self, kw: dict, left: float) -> bytes:
@@ -400,7 +424,9 @@ class OpenAIBackend:
             choice = json.loads(body)["choices"][0]
             content = choice["message"]["content"]
         except (ValueError, RecursionError, TypeError, KeyError, IndexError):
-            raise ValueError(f"malformed chat-completions response: {self._redact(repr(body[:200]))}") from None
+            # Redact, then cut: a key that crossed the cut would leave its first bytes in the message.
+            text = self._redact(body.decode("utf-8", errors="replace"))
+            raise ValueError(f"malformed chat-completions response: {text[:200]!r}") from None
         if content is not None and not isinstance(content, str):  # a list, a number, ...
             raise ValueError(f"chat-completions content is a {type(content).__name__}, not text")
         if choice.get("finish_reason") == "length":  # cut at max_tokens: half an answer is no answer
@@ -457,6 +483,13 @@ class OpenAIBackend:
                 raise EndpointError(self._endpoint_problem(e.status_code)) from None
 
 
+def refuses_format(status: int) -> bool:
+    """Can this HTTP status be a server's refusal of the response_format asked for? Any 4xx but
+    those that mean something else: 401/403/404 (the key, the model, the URL: an EndpointError),
+    408/409/429 (transport faults, retried with backoff)."""
+    return 400 <= status < 500 and status not in (401, 403, 404, 408, 409, 429)
+
+
 class HFBackend:
     """A local transformers chat model as the simulated user (one call at a time)."""
 
@@ -495,6 +528,7 @@ class CachedBackend:
         self.backend, self.path, self.lock = backend, path, threading.Lock()
         self.parallel = getattr(backend, "parallel", False)
         self.takes_deadline = getattr(backend, "takes_deadline", False)
+        self.max_tokens = getattr(backend, "max_tokens", None)  # what answer_schema's bounds fit
         self.identity = identity(backend)
         self.cache, self.hits, self.misses = {}, 0, 0
         if os.path.exists(path):

@@ -161,7 +161,7 @@ def save_checkpoint(accelerator, cfg, step):
         if failed:
             raise _FailedElsewhere(f"{int(failed)} other process(es) could not write their part")
         if accelerator.is_main_process:
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
                 json.dump({"step": step, "config": dataclasses.asdict(cfg)}, f, indent=1)
     if accelerator.is_main_process:
         for old in saved_checkpoints(cfg)[:-cfg.keep_last]:
@@ -191,10 +191,10 @@ def save_final(accelerator, policy, tok, path, dtype=None):
             tok.save_pretrained(tmp)
             if dtype is not None:  # save_pretrained writes the parameters' dtype (fp32) into config.json
                 config_file = os.path.join(tmp, "config.json")
-                with open(config_file) as f:
+                with open(config_file, encoding="utf-8") as f:
                     config = json.load(f)
                 config["dtype"] = str(dtype).removeprefix("torch.")
-                with open(config_file, "w") as f:
+                with open(config_file, "w", encoding="utf-8") as f:
                     json.dump(config, f, indent=2, sort_keys=True)
                     f.write("\n")
     accelerator.wait_for_everyone()
@@ -202,7 +202,7 @@ def save_final(accelerator, policy, tok, path, dtype=None):
 
 def checkpoint_state(path: str) -> dict:
     """A checkpoint's trainer_state.json: {"step": the step to resume at, "config": the run's}."""
-    with open(os.path.join(path, "trainer_state.json")) as f:
+    with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
         state = json.load(f)
     if not isinstance(state.get("step"), int):
         raise TypeError(f"{path}: trainer_state.json's step is not an integer: {state.get('step')!r:.40}")

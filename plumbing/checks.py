@@ -67,7 +67,7 @@ def weights_problem(folder: str) -> str | None:
              if os.path.isfile(os.path.join(folder, n))]
     if index:
         try:
-            with open(os.path.join(folder, index[0])) as f:
+            with open(os.path.join(folder, index[0]), encoding="utf-8") as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return f"{index[0]} is not a readable weight index"
@@ -116,8 +116,40 @@ def check_hub_id(flag: str, repo: str):
         raise InputError(f"{flag} {repo}: no such model on the Hugging Face hub (no config.json)")
 
 
+# Every float flag of train.py and evaluate.py (and plumbing/demo.py's): the range a run can mean.
+# NaN, an infinity or an absurd value (1e300 overflows timedelta and torch) is one line naming the
+# flag; the ranges are wide, and flags with more to say (the IS cap 0 or >= 1, training's
+# temperature > 0) are checked again in validate.
+DAY = 86_400
+FLOAT_RANGES = {  # flag's name: (lowest, highest, the interval's brackets: "(" or ")" leave that end out)
+    "actor_lr": (0, 1, "[]"), "critic_lr": (0, 1, "[]"), "actor_warmup_ratio": (0, 1, "[)"),
+    "critic_warmup_ratio": (0, 1, "[)"), "process_group_timeout": (0, 30 * DAY, "[]"),  # 0: derived
+    "clip_eps": (0, 1, "(]"), "entropy_coef": (0, 1, "[]"), "kl_coef": (0, 10, "[]"), "max_grad_norm": (0, 1e6, "(]"),
+    "rollout_is_cap": (0, 1e6, "[]"), "value_clip": (0, 1e6, "(]"), "gamma": (0, 1, "[]"), "lam": (0, 1, "[]"),
+    "temperature": (0, 100, "[]"), "shaping_coef": (0, 10, "[]"),  # evaluate.py: temperature 0 is greedy
+    "simulator_temperature": (0, 2, "[]"), "simulator_timeout": (0, DAY, "(]"),
+    "simulator_call_budget": (0, DAY, "(]"), "vllm_gpu_memory": (0, 1, "(]"), "vllm_kv_cache_gb": (0, 1e4, "(]"),
+    "judge_timeout": (0, DAY, "(]"),
+}
+
+
+def check_floats(args):
+    """InputError naming the first float flag of `args` (a dataclass or argparse namespace)
+    outside FLOAT_RANGES (NaN and infinities are outside every range)."""
+    for name, (lo, hi, brackets) in FLOAT_RANGES.items():
+        value = getattr(args, name, None)
+        if value is None:  # not a flag of this script
+            continue
+        above = lo < value if brackets[0] == "(" else lo <= value
+        below = value < hi if brackets[1] == ")" else value <= hi
+        if not (above and below):  # NaN fails both
+            raise InputError(f"--{name.replace('_', '-')} {value}: must be a number in {brackets[0]}{lo:g}, "
+                             f"{hi:g}{brackets[1]}")
+
+
 def validate(cfg):
     """train.py's flags, all checked before any heavy work -> the training scenarios."""
+    check_floats(cfg)
     check_model_arg("--model", cfg.model)
     if cfg.critic_model and cfg.algo == "ppo":
         check_model_arg("--critic-model", cfg.critic_model)
@@ -134,15 +166,12 @@ def validate(cfg):
         raise InputError(f"--rollout-is-cap {cfg.rollout_is_cap}: needs --engine vllm (the hf engine samples with "
                          f"the trained weights themselves: there is no sampler to correct for)")
     for name in ("steps", "batch_size", "group_size", "max_turns", "max_new_tokens", "micro_batch_size", "minibatch_size",
-                 "save_every", "keep_last", "epochs", "max_total_tokens"):
+                 "save_every", "keep_last", "epochs", "max_total_tokens", "max_unscored_steps"):
         if getattr(cfg, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
     if not cfg.temperature > 0:  # T = 0 divides the logits by 0: NaN loss, NaN weights
         raise InputError(f"--temperature {cfg.temperature}: training samples with a temperature > 0 "
                          f"(evaluate.py takes 0 for greedy decoding)")
-    for name in ("actor_warmup_ratio", "critic_warmup_ratio"):
-        if not 0 <= getattr(cfg, name) < 1:
-            raise InputError(f"--{name.replace('_', '-')} must be in [0, 1)")
     if not 0 <= cfg.initial_emotion <= 100:
         raise InputError(f"--initial-emotion {cfg.initial_emotion}: must be in [0, 100]")
     if cfg.algo == "grpo" and cfg.group_size < 2:
@@ -214,7 +243,7 @@ def lock_output_dir(path: str):
     clashes with the first on every rank, and all its processes stop. Returns the open file
     (keep it referenced); InputError naming the directory and the holder's pid if locked."""
     rank = os.environ.get("RANK", "0")
-    f = open(os.path.join(path, ".lock" if rank == "0" else f".lock-{rank}"), "a+")
+    f = open(os.path.join(path, ".lock" if rank == "0" else f".lock-{rank}"), "a+", encoding="utf-8")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

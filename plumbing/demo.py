@@ -15,6 +15,7 @@ import os
 from transformers import HfArgumentParser
 
 from plumbing.backends import SimulatorArgs, make_backend, make_simulator
+from plumbing.checks import InputError, check_floats
 from plumbing.scenarios import ScenarioError, load_scenarios
 from simulator import eval_initial_emotion
 
@@ -41,8 +42,9 @@ def main(argv=None):
     try:
         scenarios = load_scenarios(args.scenarios)
         sim_args = SimulatorArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SimulatorArgs)})
+        check_floats(sim_args)
         backend = make_backend(sim_args)
-    except (ScenarioError, ValueError) as e:
+    except (ScenarioError, ValueError, InputError) as e:
         ap.error(str(e))
     sc = scenarios[args.index % len(scenarios)]
     initial = args.initial_emotion

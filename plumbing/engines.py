@@ -31,7 +31,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
-import math
 import os
 import queue
 import shutil
@@ -63,10 +62,6 @@ def engine_problem(args, model: str, cuda: bool) -> str | None:
     """None when --engine and its settings can work here, else one line naming the flag."""
     if args.engine != "vllm":
         return None
-    if not 0 < args.vllm_gpu_memory <= 1:
-        return f"--vllm-gpu-memory {args.vllm_gpu_memory}: must be in (0, 1]"
-    if not (args.vllm_kv_cache_gb > 0 and math.isfinite(args.vllm_kv_cache_gb)):
-        return f"--vllm-kv-cache-gb {args.vllm_kv_cache_gb}: must be a finite number > 0"
     if args.vllm_max_model_len < 0:
         return f"--vllm-max-model-len {args.vllm_max_model_len}: must be >= 0"
     try:

@@ -136,6 +136,21 @@ def warn_empty_step(step: int, roll: dict):
                 step, roll["simulator_errors"], roll["unappraised"])
 
 
+class UnscoredRun(RuntimeError):
+    """train.py's --max-unscored-steps steps in a row had no dialogue to learn from: the run stops
+    (one line, exit 1) rather than save an untrained model as final/."""
+
+
+def unscored_problem(batch, step: int, steps: int) -> str:
+    """The one line that stops such a run: how long, the simulator's last error (this process's),
+    what to check, and that nothing was saved as trained."""
+    errors = [m["error"] for m in batch.metrics if m.get("error")]
+    last = f"the simulator's last error: {errors[-1][:200]}" if errors else "no simulator error (see the log)"
+    return (f"no dialogue was scored in {steps} steps in a row (steps {step - steps + 1}-{step}); {last}; check the "
+            f"simulated user's server (--simulator-base-url, --simulator-model, --simulator-call-budget): "
+            f"it must answer the user's prompts in JSON; final/ was not written")
+
+
 CURVES = [("reward", "mean reward (final emotion / 100)"), ("response_length", "tokens per agent turn"),
           ("format_violation_rate", "format violations per agent turn")]
 
@@ -158,7 +173,7 @@ def plot_curve(metrics_path, png_path, title):
     user (FEATURE_CURVES, moving averages) -> one PNG of three or four panels."""
     # A value that is null (a step with no valid dialogue, or no agent turn) is not plotted in
     # its panel (not drawn as 0).
-    with open(metrics_path) as f:
+    with open(metrics_path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if not any(r.get("reward") is not None for r in rows):
         return

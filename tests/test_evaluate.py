@@ -210,12 +210,17 @@ def test_retry_counts_reach_the_summary(tmp_path):
 
 def test_never_appraised_dialogues_are_not_scored(tmp_path, capsys):
     """Item 5: a token budget too small for one turn: no dialogue is appraised; it used to be
-    scored with its initial emotion (Sentient 40.0)."""
-    assert main(["--model", "tiny", "--limit", "2", "--max-total-tokens", "20", "--output-dir", str(tmp_path)]) == 0
+    scored with its initial emotion (Sentient 40.0). Issue 46 item 2: a model with no scored
+    dialogue exits 1, its table and files written."""
+    assert main(["--model", "tiny", "--limit", "2", "--max-total-tokens", "20", "--output-dir", str(tmp_path)]) == 1
     s = json.load(open(tmp_path / "summary.json"))["results"]["tiny"]
     assert (s["scored"], s["unscored"], s["simulator_errors"], s["sentient_score"]) == (0, 2, 0, None)
-    row = [l for l in capsys.readouterr().out.splitlines() if l.startswith("tiny")][0].split()
+    out, err = capsys.readouterr()
+    row = [l for l in out.splitlines() if l.startswith("tiny")][0].split()
     assert row[1:3] == ["0", "-"]
+    assert err.strip().splitlines()[-1] == ("evaluate.py: error: no dialogue of tiny was scored (0 simulator errors, 2 "
+                                            "never appraised; no reply was appraised: check --max-total-tokens and "
+                                            "--max-new-tokens)")
 
 
 def test_rerun_replays_simulator_errors_once_the_simulator_is_back(tmp_path):
@@ -226,11 +231,11 @@ def test_rerun_replays_simulator_errors_once_the_simulator_is_back(tmp_path):
     for d, replay in (("a", []), ("b", ["--no-replay-errors"])):
         out = ["--output-dir", str(tmp_path / d)]
         with FakeOpenAIServer(**down) as srv:
-            assert main(args + ["--simulator-base-url", srv.base_url] + out) == 0
+            assert main(args + ["--simulator-base-url", srv.base_url] + out) == 1  # nothing scored (issue 46)
             port = srv.port
         assert [o for _, o, _ in transcript(tmp_path / d)] == ["simulator_error"] * 2
         with FakeOpenAIServer(port=port) as srv:  # back, at the same address
-            assert main(args + ["--simulator-base-url", srv.base_url] + out + replay) == 0
+            assert main(args + ["--simulator-base-url", srv.base_url] + out + replay) == (1 if replay else 0)
         t = transcript(tmp_path / d)
         assert len(t) == 2
         assert all((o == "simulator_error") == bool(replay) for _, o, _ in t), t
@@ -254,11 +259,11 @@ def test_a_torn_transcript_line_is_dropped_and_its_dialogue_replayed(tmp_path):
     (["--max-turns", "0"], "--max-turns 0: must be >= 1"),
     (["--initial-emotion", "500"], "--initial-emotion 500: must be in [0, 100]"),
     (["--simulator-concurrency", "0"], "--simulator-concurrency 0: must be >= 1"),
-    (["--simulator-timeout", "-1"], "--simulator-timeout -1.0: must be > 0"),
+    (["--simulator-timeout", "-1"], "--simulator-timeout -1.0: must be a number in (0, 86400]"),
     (["--scenarios", "LATIN1"], "latin1.jsonl:2: not UTF-8"),
     (["--scenarios", "DEEP"], "deep.jsonl:1: JSON nested too deeply"),
     # issue 38 item 8: passed the check, then OverflowError in plumbing/engines.py
-    (["--engine", "vllm", "--vllm-kv-cache-gb", "inf"], "--vllm-kv-cache-gb inf: must be a finite number > 0"),
+    (["--engine", "vllm", "--vllm-kv-cache-gb", "inf"], "--vllm-kv-cache-gb inf: must be a number in (0, 10000]"),
 ])
 def test_bad_flags_are_one_line_errors(flags, msg, tmp_path, capsys):
     """Item 10: each used to be a traceback (after the model loaded) or accepted silently."""
@@ -511,7 +516,7 @@ def test_a_lone_surrogate_is_retried_never_cached_and_a_rerun_pays_again(tmp_pat
     args = SMALL + ["--limit", "2"] + OPENAI + ["--output-dir", str(tmp_path)]
     bad = dict(fault_rate=1.0, fault_kinds=("surrogate", "surrogate_raw"), max_faults_in_a_row=10 ** 9)
     with FakeOpenAIServer(**bad) as srv:
-        assert main(args + ["--simulator-base-url", srv.base_url]) == 0
+        assert main(args + ["--simulator-base-url", srv.base_url]) == 1  # nothing scored (issue 46)
         port = srv.port
     assert [o for _, o, _ in transcript(tmp_path)] == ["simulator_error"] * 2
     cache = tmp_path / "simulator_cache.jsonl"
@@ -872,9 +877,10 @@ def test_success_under_rlver_rules_and_the_tables_definition(tmp_path, capsys):
     success and failure mean under the rules it played."""
     assert main(SMALL + ["--limit", "2", "--rules", "rlver", "--judge", "none", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "success: the emotion reached 100 at some turn (the dialogue goes on); failure: it ended at or below 0" \
+    assert "success: the emotion reached 100 after a reply (the dialogue goes on); failure: it ended at or below 0" \
            in out
-    assert json.load(open(tmp_path / "summary.json"))["protocol"]["outcomes"].startswith("success: the emotion reached")
+    summary = json.load(open(tmp_path / "summary.json", encoding="utf-8"))
+    assert list(summary["protocol"]["outcomes"]) == ["rlver"] and summary["results"]["tiny"]["outcome_rules"] == ["rlver"]
 
 
 def test_the_plots_show_every_value_they_are_given(tmp_path):
@@ -910,3 +916,220 @@ def test_leaderboard_files_that_do_not_compare_are_refused_or_marked(tmp_path, c
     out = capsys.readouterr().out
     assert " 1. b (+)" in out and "played to another turn limit than the others' 3 agent replies" in out
     assert " 2. a " in out and " 3. c " in out
+
+
+# ---------------------------------------------------------------- issue 46: faults, round five
+def float_flags():
+    from evaluate import build_parser
+    return sorted({a.dest for a in build_parser()._actions if a.type is float})
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "-1"])
+def test_every_float_flag_of_evaluate_takes_absurd_values_as_one_line(value, tmp_path, capsys):
+    """Item 4: every float flag of evaluate.py, given inf, 1e300, nan and -1: one line naming the
+    flag, exit 2, before any model loads (--simulator-call-budget inf passed the check)."""
+    names = float_flags()
+    assert {"temperature", "judge_timeout", "simulator_call_budget", "vllm_kv_cache_gb"} <= set(names), names
+    for name in names:
+        flag = "--" + name.replace("_", "-")
+        rc = main([*SMALL, "--limit", "1", flag, value, "--output-dir", str(tmp_path / name)])
+        err = capsys.readouterr().err
+        assert rc == 2 and "Traceback" not in err, (flag, value, err[-2000:])
+        assert err.strip().splitlines()[-1].startswith(f"evaluate.py: error: {flag} "), (flag, value, err[-500:])
+
+
+def test_a_model_with_no_scored_dialogue_exits_non_zero_and_the_rerun_continues(tmp_path, capsys):
+    """Item 2: a simulated user whose every answer is unparseable scored 0 of 2 dialogues and
+    evaluate.py exited 0. Now: one line naming the model and the simulator's last error, exit 1,
+    the transcripts kept; the same command against a working server plays them again."""
+    args = [*SMALL, "--limit", "2", *OPENAI, "--judge", "none", "--output-dir", str(tmp_path)]
+    with FakeOpenAIServer(fault_rate=1.0, fault_kinds=("garbage",), max_faults_in_a_row=10 ** 9) as srv:
+        assert main(args + ["--simulator-base-url", srv.base_url]) == 1
+        line = last_error(capsys)
+        assert line.startswith("evaluate.py: error: no dialogue of tiny was scored (2 simulator errors"), line
+        assert "the simulator's last error: unparseable output: 'I feel... hmm" in line and "rerun the same" in line
+        kept = load_transcripts(str(tmp_path / "tiny" / "transcripts.jsonl"))
+        assert [r["outcome"] for r in kept] == ["simulator_error"] * 2 and all(r["error"] for r in kept)
+        srv.fault_rate = 0.0  # the server is mended
+        assert main(args + ["--simulator-base-url", srv.base_url]) == 0
+    again = load_transcripts(str(tmp_path / "tiny" / "transcripts.jsonl"))
+    assert [r["outcome"] for r in again] == ["max_turns"] * 2
+
+
+def fake_snapshot(hub, repo: str, revision: str, weights: bytes):
+    """A Hugging Face cache entry as a download leaves it: snapshots/<rev>/ and refs/main."""
+    root = hub / f"models--{repo.replace('/', '--')}"
+    snap = root / "snapshots" / revision
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text('{"model_type": "qwen2"}')
+    (snap / "model.safetensors").write_bytes(weights)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(revision)
+
+
+def test_a_hub_model_downloaded_by_the_first_run_continues_on_rerun(tmp_path, capsys, monkeypatch):
+    """Item 3: the protocol fingerprinted a hub id before loading it: 'hub:ID' on the run that
+    downloaded it, the snapshot's hash on the rerun, so the interrupted evaluation was refused
+    ('the weights changed'). Now the fingerprint is of the snapshot loaded; a newer revision in
+    the cache is still refused."""
+    import huggingface_hub
+
+    import evaluate
+    from plumbing import models
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(evaluate, "check_model_arg", lambda flag, value: None)  # no network here
+    loads = []
+
+    def load_for_eval(model, seed):  # the first load downloads the snapshot
+        if not hub.exists():
+            fake_snapshot(hub, model, "a" * 40, b"weights v1")
+        loads.append(model)
+        return models.load_policy("tiny", seed)[0].eval(), models.load_policy("tiny", seed)[1]
+    monkeypatch.setattr(evaluate, "load_for_eval", load_for_eval)
+    args = ["--model", "org/chat-7b", "--max-new-tokens", "8", "--max-turns", "2", "--batch-size", "1", "--limit", "2",
+            "--judge", "none", "--output-dir", str(tmp_path / "out")]
+    assert models.weights_fingerprint("org/chat-7b") == "hub:org/chat-7b"  # nothing cached yet
+    writes = {"n": 0}
+    orig = evaluate.append_line
+
+    def interrupted(path, line):
+        writes["n"] += 1
+        if writes["n"] == 2:
+            raise KeyboardInterrupt
+        orig(path, line)
+    monkeypatch.setattr(evaluate, "append_line", interrupted)
+    assert main(args) == 130
+    monkeypatch.setattr(evaluate, "append_line", orig)
+    transcripts = tmp_path / "out" / "chat-7b" / "transcripts.jsonl"
+    assert len(load_transcripts(str(transcripts))) == 1
+    recorded = json.load(open(tmp_path / "out" / "chat-7b" / "protocol.json", encoding="utf-8"))["weights"]
+    assert recorded == models.weights_fingerprint("org/chat-7b") != "hub:org/chat-7b"
+    capsys.readouterr()
+    assert main(args) == 0, last_error(capsys)  # was refused: 'the weights at org/chat-7b changed'
+    assert len(load_transcripts(str(transcripts))) == 2
+    fake_snapshot(hub, "org/chat-7b", "b" * 40, b"weights v2")  # a newer revision replaces the cached one
+    assert main(args[:-1] + [str(tmp_path / "out")] + ["--limit", "2"]) == 2
+    assert "the weights at org/chat-7b changed since they were played" in last_error(capsys)
+
+
+def test_the_outcome_definitions_printed_are_those_applied(tmp_path, capsys):
+    """Item 6: with --score alone the line under the table stated SAGE's thresholds for every
+    row, while a file of ours is counted by its recorded outcome (an rlver file: failure 'ended
+    <= 0'). Now each row says the definition it was counted by, and summary.json the same."""
+    sage = tmp_path / "sage_run.jsonl"
+    sage.write_text("".join(json.dumps({"id": f"p{i}", "emo_point": e}) + "\n" for i, e in enumerate([100, 5])))
+    ours = tmp_path / "eval" / "mine"
+    ours.mkdir(parents=True)
+    (ours / "protocol.json").write_text(json.dumps({"rules": "rlver"}))
+    (ours / "transcripts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"scenario_id": "p0", "emotion": 5, "outcome": "max_turns", "turns": 2, "emotion_trace": [30, 20, 5]},
+        {"scenario_id": "p1", "emotion": -3, "outcome": "failure", "turns": 2, "emotion_trace": [30, 8, -3]}]))
+    unknown = tmp_path / "copied.jsonl"  # ours, without its protocol.json
+    unknown.write_text((ours / "transcripts.jsonl").read_text())
+    assert main(["--score", str(sage), "--score", str(ours / "transcripts.jsonl"), "--score", str(unknown),
+                 "--judge", "none", "--output-dir", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "sage_run: success: final emotion >= 100; failure: final emotion < 10 (SAGE's thresholds" in out
+    assert "transcripts: success: the emotion reached 100 after a reply (the dialogue goes on); failure: it ended at " \
+           "or below 0 (--rules rlver)" in out
+    assert "copied: success: the emotion reached 100 after a reply; failure: the outcome recorded in the file" in out
+    summary = json.load(open(tmp_path / "o" / "summary.json", encoding="utf-8"))
+    assert {k: v["outcome_rules"] for k, v in summary["results"].items()} == {
+        "sage_run": [None], "transcripts": ["rlver"], "copied": ["recorded"]}
+    assert summary["results"]["transcripts"]["failure_rate"] == 0.5  # the emotion 5 is no failure under rlver
+    assert main(["--score", str(sage), "--output-dir", str(tmp_path / "p")]) == 0  # one rule set: one line
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("success: final emotion >= 100")
+
+
+@pytest.mark.parametrize("record, msg", [
+    ({"scenario_id": "a", "outcome": "failure", "emotion": -1e300, "turns": 1, "emotion_trace": [30, -1e300]},
+     "final emotion -1e+300 is not in [-100, 100]"),
+    ({"scenario_id": "a", "outcome": "max_turns", "emotion": 20, "turns": 2, "emotion_trace": [30, -1e8, 20]},
+     "'emotion_trace' holds -100000000.0, not an emotion in [-100, 100]"),
+])
+def test_an_absurd_emotion_is_refused_in_one_line_before_any_plot(record, msg, tmp_path, capsys):
+    """Item 5: --score of a record with emotion -1e300 built the histogram's bins with
+    np.arange(5 * floor(lo / 5), 105, 5): an overflow traceback (at -1e8, 2e7 bins). No
+    simulator writes below -100 (a dialogue ends at <= 0 and a change is at most 100)."""
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps(record) + "\n")
+    assert main(["--score", str(p), "--output-dir", str(tmp_path / "o")]) == 2
+    assert last_error(capsys) == f"evaluate.py: error: {p}:1: {msg}"
+
+
+def test_the_lowest_emotion_a_simulator_writes_is_plotted(tmp_path):
+    """Item 5: -100 (the floor) still plots, with bounded bins."""
+    from evaluate import plot
+    recs = [{"emotion": -100.0, "emotion_trace": [0, -100], "valid": True}]
+    (lo, _), (hist_lo, _), counted = plot({"m": recs}, str(tmp_path / "p.png"), max_turns=1)
+    assert lo <= -100 and hist_lo <= -100 and counted == 1
+
+
+def test_an_evaluation_writes_and_reads_its_files_under_an_ascii_locale(tmp_path):
+    """Item 8: protocol.json and summary.json were opened with the locale's encoding and written
+    with ensure_ascii=False: under a locale that is not UTF-8 (here C without Python's UTF-8
+    coercion: ASCII; Latin-1 on older clusters) the first write of SAGE's Chinese prompt failed.
+    Every text file now names its encoding: the evaluation writes its files, and its rerun reads
+    them back and continues."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    env.pop("PYTHONIOENCODING", None)
+    cmd = [sys.executable, "-X", "utf8=0", os.path.join(ROOT, "evaluate.py"), *SMALL, "--limit", "1",
+           "--output-dir", str(tmp_path)]
+    check = "import locale, sys; print(locale.getpreferredencoding(False), sys.flags.utf8_mode)"
+    enc = subprocess.run([sys.executable, "-X", "utf8=0", "-c", check], env=env, capture_output=True, text=True)
+    assert enc.stdout.split()[0].lower() in ("ansi_x3.4-1968", "ascii", "latin-1", "iso-8859-1"), enc.stdout
+    for _ in range(2):  # the rerun reads protocol.json back (and finds the dialogue played)
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=300)
+        assert p.returncode == 0, p.stderr.decode("utf-8", "replace")[-2000:]
+    proto = json.load(open(tmp_path / "tiny" / "protocol.json", encoding="utf-8"))
+    assert proto["eval_prompt"]["zh"].startswith("你是")
+    assert json.load(open(tmp_path / "summary.json", encoding="utf-8"))["protocol"]["eval_prompt"]["zh"] == \
+        proto["eval_prompt"]["zh"]
+
+
+def test_text_files_are_opened_with_an_encoding():
+    """Item 8: every open() of a text file in the project names its encoding (read by the AST:
+    a mode without 'b' and no encoding= is a file read or written in the locale's encoding)."""
+    import ast
+    import glob
+
+    from conftest import ROOT
+    files = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "plumbing", "*.py")) + \
+        glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))
+    missing = []
+    for path in files:
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "open":
+                mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+                binary = isinstance(mode, ast.Constant) and "b" in mode.value
+                if not binary and not any(k.arg == "encoding" for k in node.keywords):
+                    missing.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert not missing, missing
+
+
+def test_a_dialogue_that_starts_at_100_has_not_succeeded_before_a_reply(tmp_path):
+    """Item 10: with --initial-emotion 100 every dialogue counted as a success before any reply
+    (the trace's start was counted). Success is reaching 100 after an appraised reply."""
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"scenario_id": "a", "emotion": 90, "outcome": "max_turns", "turns": 2, "emotion_trace": [100, 95, 90]},
+        {"scenario_id": "b", "emotion": 95, "outcome": "max_turns", "turns": 2, "emotion_trace": [100, 100, 95]},
+        {"scenario_id": "c", "emotion": 100, "outcome": "success", "turns": 1, "emotion_trace": [100, 100]}]))
+    s = summarize(load_transcripts(str(p)))
+    assert s["success_rate"] == 2 / 3  # b and c reached 100 after a reply; a only started there
+
+
+def test_an_evaluation_that_starts_at_100_counts_success_after_a_reply(tmp_path, capsys):
+    """Item 10, played: under --rules rlver from 100 the rule user's appraisal decides."""
+    assert main([*SMALL, "--limit", "4", "--initial-emotion", "100", "--rules", "rlver", "--judge", "none",
+                 "--output-dir", str(tmp_path)]) == 0
+    recs = load_transcripts(str(tmp_path / "tiny" / "transcripts.jsonl"))
+    reached = [max(r["emotion_trace"][1:]) >= 100 for r in recs]
+    s = json.load(open(tmp_path / "summary.json", encoding="utf-8"))["results"]["tiny"]
+    assert s["success_rate"] == sum(reached) / len(recs) and not all(reached), [r["emotion_trace"] for r in recs]

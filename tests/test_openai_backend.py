@@ -1,10 +1,12 @@
 """The OpenAI backend against a real HTTP server on 127.0.0.1 that injects faults."""
 import json
 import logging
+import os
 import time
 
 import pytest
 
+from conftest import ROOT
 from fake_openai import FakeOpenAIServer, varied_user
 from plumbing.backends import Asker, EndpointError, OpenAIBackend, answer_schema, is_text
 from simulator import Scenario, Simulator, parse_appraisal
@@ -166,13 +168,13 @@ def test_a_hung_server_costs_one_call_budget_not_retries_times_timeout():
 
 
 # ---------------------------------------------------------------- issue 23: faults, round three
-@pytest.mark.parametrize("kind", ["surrogate", "surrogate_raw", "length", "400", "dup", "huge"])
+@pytest.mark.parametrize("kind", ["surrogate", "surrogate_raw", "length", "dup", "huge"])
 def test_an_unusable_answer_is_one_failed_try(kind):
     """Items 1, 4, 5, 10: a lone surrogate in the answer (valid JSON, not text), an appraisal cut
-    off at max_tokens (its prose says "change: -8"), a 400 that is not about JSON mode, the
-    change twice, a 5 MB answer: each is one failed try, retried. Before: the surrogate reached
-    the tokenizer, the cut appraisal scored -8, the 400 turned JSON mode off for good, the last
-    "change" won, the 5 MB answer went into the transcript."""
+    off at max_tokens (its prose says "change: -8"), the change twice, a 5 MB answer: each is
+    one failed try, retried. Before: the surrogate reached the tokenizer, the cut appraisal
+    scored -8, the last "change" won, the 5 MB answer went into the transcript. (A 400 that is
+    not about the format: test_a_400_in_every_format_is_a_failed_try_and_no_step_down.)"""
     with FakeOpenAIServer(faults=[kind]) as srv:
         b = backend(srv)
         sim = simulator(b, initial_emotion=30, max_turns=3)
@@ -278,11 +280,11 @@ def test_each_answer_asks_for_its_own_schema():
     assert st.turn == 1 and not st.done
     schemas = [r["body"]["response_format"]["json_schema"]["schema"] for r in srv.requests]
     opening, appraisal, reply, hard = schemas
-    line = {"type": "string", "maxLength": 600}  # a bound inside max_tokens: the grammar closes the string
+    line = {"type": "string", "maxLength": 162}  # a bound inside max_tokens: the grammar closes the string
     assert reply == {"type": "object", "properties": {"thinking": line, "reply": line},
                      "required": ["thinking", "reply"], "additionalProperties": False}
     # the opening prompts ask for {"reply": ...} alone: its schema has no thinking to force
-    assert opening == {"type": "object", "properties": {"reply": line}, "required": ["reply"],
+    assert opening == {"type": "object", "properties": {"reply": {**line, "maxLength": 330}}, "required": ["reply"],
                        "additionalProperties": False}
     assert appraisal["properties"]["change"] == {"type": "integer", "minimum": -10, "maximum": 10}
     assert appraisal["required"] == ["analysis", "change"]
@@ -317,4 +319,125 @@ def test_a_server_without_structured_outputs_falls_back_to_json_mode_once(caplog
     assert b.format == "json_object" and sim.ask.take_counts(b)["parse_retries"] == 0
     types = [r["body"].get("response_format", {}).get("type") for r in srv.requests]
     assert types[-1] == "json_object" and types.count("json_schema") <= 8  # those in flight when the 400 came
-    assert caplog.text.count("rejected structured outputs (a JSON schema); continuing with JSON mode") == 1
+    assert caplog.text.count("refused structured outputs (a JSON schema) (Error code: 400") == 1
+    assert caplog.text.count("continuing with JSON mode") == 1
+
+
+# ---------------------------------------------------------------- issue 46: faults, round five
+DEEPSEEK_422 = "Failed to deserialize the JSON body into the target type: response_format.type json_schema is unavailable now"
+XGRAMMAR_400 = "The provided JSON schema contains features not supported by xgrammar."
+
+
+@pytest.mark.parametrize("status, message", [(422, DEEPSEEK_422), (400, XGRAMMAR_400)])
+def test_any_refusal_of_the_schema_steps_down_to_json_mode(status, message, caplog):
+    """Item 1: a server that refuses the JSON schema with a 422 (DeepSeek's API, TGI, FastAPI) or
+    with a 400 that does not name response_format (vLLM with xgrammar) is asked again at once in
+    JSON mode and keeps it: every dialogue scored, no failed try, one log line. (Before: only a
+    400 naming response_format stepped down; these failed every call, 0 dialogues scored.)"""
+    caplog.set_level(logging.WARNING)
+    with FakeOpenAIServer(schema=False, schema_refusal=(status, message)) as srv:
+        b = backend(srv)
+        sim = simulator(b, initial_emotion=30, max_turns=2, concurrency=4)
+        states = sim.step_many(sim.reset_many([S] * 4), ["reply"] * 4)
+        states = sim.step_many(states, ["another reply"] * 4)
+    assert all(s.outcome == "max_turns" for s in states), [s.outcome for s in states]
+    assert b.format == "json_object" and sim.ask.take_counts(b) == {"parse_retries": 0, "transport_retries": 0}
+    types = [r["body"].get("response_format", {}).get("type") for r in srv.requests]
+    assert types[-1] == "json_object" and types.count("json_schema") <= 4  # those in flight when it was refused
+    assert caplog.text.count("refused structured outputs (a JSON schema)") == 1
+    assert f"Error code: {status}" in caplog.text
+
+
+def test_a_400_in_every_format_is_a_failed_try_and_no_step_down(caplog):
+    """Item 1: a 400 for another reason (the context is too long) is refused in every format:
+    one failed try (schema, JSON mode, plain text asked at once), and the endpoint keeps the
+    schema; the next try is answered in it."""
+    caplog.set_level(logging.WARNING)
+    with FakeOpenAIServer(faults=["400"] * 3) as srv:
+        b = backend(srv)
+        sim = simulator(b, initial_emotion=30, max_turns=3)
+        st = play(sim)
+        counts = sim.ask.take_counts(sim.backend)
+    assert st.outcome == "max_turns" and [t["change"] for t in st.trace] == [3, 3, 3], st.trace
+    assert counts["parse_retries"] == 1 and b.format == "json_schema"
+    types = [r["body"].get("response_format", {}).get("type") for r in srv.requests]
+    assert types[:4] == ["json_schema", "json_object", None, "json_schema"], types
+    assert "refused" not in caplog.text and "context length" in caplog.text
+
+
+def test_a_server_that_refuses_every_format_fails_each_call_in_one_try_each():
+    """Item 1: a 4xx to every request is a failed try per call (three requests, at once), never a
+    step-down (nothing was answered) and never an exception out of the simulator."""
+    with FakeOpenAIServer(faults=["400"] * 100) as srv:
+        b = backend(srv)
+        st = play(simulator(b, initial_emotion=30, parse_retries=2))
+    assert st.outcome == "simulator_error" and len(srv.requests) == 6 and b.format == "json_schema"
+
+
+def longest_answers(max_tokens: int, char: str) -> dict:
+    """Per answer our schemas describe: the longest answer they allow, every free-text field
+    filled to its maxLength with `char`, numbers at their longest, label lists full."""
+    import functools
+
+    from judge import STRATEGIES, parse_judgement, parse_labels
+    from simulator import parse_appraisal, parse_opening, parse_reply
+
+    def fill(schema):
+        if schema["type"] == "object":
+            return {k: fill(v) for k, v in schema["properties"].items()}
+        if schema["type"] == "string":
+            return char * schema["maxLength"]
+        if schema["type"] == "integer":
+            return schema["minimum"]  # -100 / 1: the longest to write
+        return [fill(schema["items"]) if "enum" not in schema["items"] else None for _ in range(schema["maxItems"])]
+    out = {}
+    for name, parser, change in [("appraisal", parse_appraisal, 100), ("reply", parse_reply, 10),
+                                 ("opening", parse_opening, 10), ("judgement", parse_judgement, 10),
+                                 ("labels", functools.partial(parse_labels, n=12), 10)]:
+        schema = answer_schema(parser, change, max_tokens)
+        answer = fill(schema)
+        if name == "labels":
+            answer = {"turns": [list(STRATEGIES)] * 12}
+        out[name] = json.dumps(answer, ensure_ascii=False)
+    return out
+
+
+def test_the_longest_answer_in_chinese_fits_max_tokens():
+    """Item 7: the schema's bounds were characters sized for English (800 for the analysis,
+    1,200 for thinking + reply, 5 x 300 for the judge), past max_tokens in Chinese: 800
+    characters of SAGE's Chinese are 1,400 SmolLM2 tokens. Now each bound is derived from
+    max_tokens (3 tokens a character, the byte-level worst case): the longest answer allowed, in
+    the Chinese characters that cost SmolLM2 the most tokens, fits; a label list has at most
+    one of each strategy."""
+    import re
+
+    from plumbing.models import smollm2_dir, smollm2_missing
+    from plumbing.models import load_tokenizer
+    if smollm2_missing():
+        pytest.skip(smollm2_missing())
+    tok = load_tokenizer(smollm2_dir())
+    text = open(os.path.join(ROOT, "simulator.py"), encoding="utf-8").read()
+    chinese = sorted(set(re.findall(r"[\u4e00-\u9fff]", text)))
+    worst = max(chinese, key=lambda c: len(tok(c, add_special_tokens=False)["input_ids"]))
+    assert len(tok(worst, add_special_tokens=False)["input_ids"]) == 3
+    for max_tokens in (512, 1024, 2048):  # the simulated user's (1024) and the judge's (2048)
+        for name, answer in longest_answers(max_tokens, worst).items():
+            n = len(tok(answer, add_special_tokens=False)["input_ids"])
+            assert n <= max_tokens, (max_tokens, name, n)
+    prose = "".join(re.findall(r"[\u4e00-\u9fff，。：；！？、]+", text))[:800]  # the old bound, in SAGE's words
+    assert len(tok(prose, add_special_tokens=False)["input_ids"]) > 1024
+    labels = answer_schema(__import__("functools").partial(__import__("judge").parse_labels, n=2))
+    assert labels["properties"]["turns"]["items"]["uniqueItems"] is True
+    assert labels["properties"]["turns"]["items"]["maxItems"] == 7
+
+
+def test_a_malformed_body_never_shows_part_of_the_key(monkeypatch):
+    """Item 9: a malformed body was cut at 200 bytes and then redacted, so a key crossing the cut
+    left its first characters in the error message."""
+    monkeypatch.setenv("RLVER_TEST_KEY", SECRET)
+    b = OpenAIBackend("http://127.0.0.1:9/v1", "m", api_key_env="RLVER_TEST_KEY")
+    for at in (180, 190, 195, 199):
+        body = b"x" * at + SECRET.encode() + b" is not a chat completion"
+        with pytest.raises(ValueError) as e:
+            b._content(body)
+        assert SECRET[:4] not in str(e.value) and "malformed chat-completions response" in str(e.value), str(e.value)

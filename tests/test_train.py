@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import logging
 import os
@@ -11,7 +12,7 @@ import torch
 
 from conftest import ROOT, bad_json_files, interruptible
 from plumbing.checks import InputError
-from train import main, parse_args, train
+from train import Config, main, parse_args, train
 
 TINY = ["--steps", "6", "--batch-size", "2", "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "8",
         "--save-every", "2", "--report-to", "none"]
@@ -46,17 +47,17 @@ def test_unknown_flag_is_a_one_line_error(capsys):
     (["--algo", "grpo", "--group-size", "1"], "group-size must be >= 2"),
     (["--resume", "./no/such/ckpt"], "no such checkpoint directory"),
     (["--temperature", "0"], "--temperature 0.0: training samples with a temperature > 0"),
-    (["--temperature", "-1"], "--temperature -1.0: training samples with a temperature > 0"),
-    (["--actor-warmup-ratio", "1.5"], "--actor-warmup-ratio must be in [0, 1)"),
+    (["--temperature", "-1"], "--temperature -1.0: must be a number in [0, 100]"),
+    (["--actor-warmup-ratio", "1.5"], "--actor-warmup-ratio 1.5: must be a number in [0, 1)"),
     # issue 25: the vLLM engine's settings
-    (["--engine", "vllm", "--vllm-gpu-memory", "1.5"], "--vllm-gpu-memory 1.5: must be in (0, 1]"),
-    (["--engine", "vllm", "--model", "smollm2", "--vllm-kv-cache-gb", "0"], "--vllm-kv-cache-gb 0.0: must be a finite"),
+    (["--engine", "vllm", "--vllm-gpu-memory", "1.5"], "--vllm-gpu-memory 1.5: must be a number in (0, 1]"),
+    (["--engine", "vllm", "--model", "smollm2", "--vllm-kv-cache-gb", "0"], "--vllm-kv-cache-gb 0.0: must be a number"),
     # issue 38: these passed the check and crashed later (OverflowError)
-    (["--engine", "vllm", "--model", "smollm2", "--vllm-kv-cache-gb", "inf"], "--vllm-kv-cache-gb inf: must be a finite"),
-    (["--process-group-timeout", "inf"], "--process-group-timeout inf: must be a finite number of seconds >= 0"),
-    (["--process-group-timeout", "-5"], "--process-group-timeout -5.0: must be a finite number of seconds >= 0"),
+    (["--engine", "vllm", "--model", "smollm2", "--vllm-kv-cache-gb", "inf"], "--vllm-kv-cache-gb inf: must be a number"),
+    (["--process-group-timeout", "inf"], "--process-group-timeout inf: must be a number in [0, 2.592e+06]"),
+    (["--process-group-timeout", "-5"], "--process-group-timeout -5.0: must be a number in [0, 2.592e+06]"),
     (["--engine", "vllm", "--model", "smollm2", "--vllm-max-model-len", "-1"], "--vllm-max-model-len -1: must be >= 0"),
-    (["--rollout-is-cap", "-1"], "--rollout-is-cap -1.0: must be 0 (off) or >= 1"),
+    (["--rollout-is-cap", "-1"], "--rollout-is-cap -1.0: must be a number in [0, 1e+06]"),
     (["--rollout-is-cap", "0.5"], "--rollout-is-cap 0.5: must be 0 (off) or >= 1"),
     (["--rollout-is-cap", "2"], "--rollout-is-cap 2.0: needs --engine vllm"),
     (["--simulator-concurrency", "0"], "--simulator-concurrency 0: must be >= 1"),
@@ -541,3 +542,59 @@ def test_the_start_line_says_the_simulator_calls_in_flight_in_all(tmp_path, capl
                      srv.base_url, "--simulator-concurrency", "5", "--report-to", "none",
                      "--output-dir", str(tmp_path)]) == 0
     assert "simulator calls in flight: at most 5 per process, 5 in all (1 processes)" in caplog.text
+
+
+# ---------------------------------------------------------------- issue 46: faults, round five
+FLOAT_FLAGS = [f.name for f in dataclasses.fields(Config) if f.type in (float, "float")]
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "-1"])
+def test_every_float_flag_takes_absurd_values_as_one_line(value, tmp_path, capsys):
+    """Item 4: --process-group-timeout 1e300 and --simulator-call-budget inf ended in an
+    OverflowError traceback from timedelta (with one process or several). Every float flag of
+    train.py, given inf, 1e300, nan and -1: one line naming the flag, exit 2, before any work."""
+    assert len(FLOAT_FLAGS) >= 20, FLOAT_FLAGS
+    for name in FLOAT_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        rc = main([*QUICK, flag, value, "--output-dir", str(tmp_path / name)])
+        err = capsys.readouterr().err
+        assert rc == 2 and "Traceback" not in err, (flag, value, err[-2000:])
+        assert err.strip().splitlines()[-1].startswith(f"train.py: error: {flag} "), (flag, value, err[-500:])
+        assert not (tmp_path / name / "final").exists()
+
+
+def test_a_run_whose_simulator_fails_every_call_stops_and_exits_non_zero(tmp_path, capsys):
+    """Item 2: a simulated user whose every answer is unparseable made train.py skip every update,
+    save the untrained model as final/ and exit 0. Now --max-unscored-steps (3) steps in a row
+    without a scored dialogue stop the run: one line naming the simulator's last error and what
+    to check, exit 1, the last checkpoint kept, no final/."""
+    from fake_openai import FakeOpenAIServer
+    with FakeOpenAIServer(fault_rate=1.0, fault_kinds=("garbage",), max_faults_in_a_row=10 ** 9) as srv:
+        rc = main([*QUICK, "--steps", "6", "--save-every", "2", "--simulator", "openai", "--simulator-base-url",
+                   srv.base_url, "--simulator-model", "fake", "--output-dir", str(tmp_path)])
+    line = last_error_line(capsys)
+    assert rc == 1 and line.startswith("train.py: error: no dialogue was scored in 3 steps in a row (steps 0-2)"), line
+    assert "the simulator's last error: unparseable output: 'I feel... hmm" in line and "--simulator-base-url" in line
+    assert "final/ was not written" in line and "--resume" in line
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    assert not (tmp_path / "final").exists() and os.listdir(tmp_path / "checkpoints") == ["step_000002"]
+
+
+def test_a_step_that_scores_again_resets_the_count(tmp_path):
+    """Item 2: the stop counts steps in a row; with --max-unscored-steps 2 a run whose every
+    other step fails goes to the end."""
+    from fake_openai import FakeOpenAIServer
+    with FakeOpenAIServer() as srv:
+        calls = {"n": 0}
+        good = srv.responder
+
+        def every_other_step(messages):  # QUICK: 4 dialogues x 2 turns = 12 calls a step
+            calls["n"] += 1
+            return good(messages) if (calls["n"] - 1) // 12 % 2 else "not json"
+        srv.responder = every_other_step
+        rc = main([*QUICK, "--steps", "4", "--max-unscored-steps", "2", "--simulator", "openai",
+                   "--simulator-base-url", srv.base_url, "--simulator-model", "fake", "--simulator-concurrency", "1",
+                   "--output-dir", str(tmp_path)])
+    assert rc == 0 and (tmp_path / "final").exists()
+    skipped = [r["update_skipped"] for r in read_metrics(tmp_path)]
+    assert len(skipped) == 4 and 1 in skipped and "1, 1" not in str(skipped), skipped
