@@ -5,8 +5,9 @@ most 9 appraised agent replies (SAGE's runner makes a 10th reply and never appra
 greedy decoding by default (or fixed-seed sampling). Reported per model:
 
   Sentient score   mean final emotion (0-100), the paper's headline number
-  success rate     share of dialogues that reached emotion 100
-  failure rate     share that fell below 10
+  success rate     share of dialogues whose emotion reached 100 after a reply
+  failure rate     share that ended by their rules' failure: below 10 (--rules sage), at or
+                   below 0 (--rules rlver); another system's file: final below 10 (OUTCOMES)
   turns            mean number of agent turns
   reply length     mean characters of the spoken reply (thoughts excluded)
   simulator errors dialogues the simulator could not finish (left out of the means)
@@ -29,8 +30,10 @@ Decoding uses only this script's settings (greedy, or --temperature with plain s
 never a checkpoint's generation_config.json; summary.json records the complete recipe.
 
 Outputs under --output-dir: <label>/transcripts.jsonl (one dialogue per line, with the emotion
-trace), <label>/judged.jsonl (the same with capability scores and strategy labels), summary.json,
-emotion_trajectories.png and strategies.png. Resumable: finished dialogues are skipped on
+trace), <label>/protocol.json (what its dialogues were played under), <label>/judged.jsonl (the
+same with capability scores and strategy labels), summary.json, emotion_trajectories.png,
+strategies.png (when judged), leaderboard.png (--leaderboard), judge_cache.jsonl (LLM judge).
+Resumable: finished dialogues are skipped on
 a rerun, and every parsed answer of an LLM simulated user is cached on disk (simulator_cache.jsonl),
 so an interrupted evaluation never pays twice for an answer it used.
 """
@@ -65,11 +68,10 @@ from plumbing.backends import (Asker, CachedBackend, EndpointError, OpenAIBacken
 from plumbing.checks import InputError, check_floats, check_model_arg, lock_output_dir, make_output_dir  # noqa: E402
 from plumbing.checkpoints import SaveError, append_line, written_atomically  # noqa: E402
 from plumbing.engines import EngineArgs, VLLMEngine, engine_problem  # noqa: E402
-from plumbing.logs import AGENT_ROLES, mean, reply_means, reply_measures  # noqa: E402
-from plumbing.scenarios import ScenarioError, json_line, load_scenarios  # noqa: E402
+from plumbing.logs import AGENT_ROLES, mean, reply_means, reply_measures, setup_logging  # noqa: E402
+from plumbing.scenarios import ScenarioError, eval_initial_emotion, json_line, load_scenarios  # noqa: E402
 from reward import split_think  # noqa: E402
 from rollout import RolloutConfig, build_system_prompt, rollout, sampling_settings  # noqa: E402
-from simulator import eval_initial_emotion  # noqa: E402
 
 log = logging.getLogger("evaluate")
 
@@ -700,9 +702,7 @@ def build_parser() -> HfArgumentParser:
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("httpx", "httpx2"):  # one INFO line per request (httpx2 in openai 3)
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging()
     if not args.model and not args.score and not args.leaderboard:
         ap.error("give at least one --model, --score or --leaderboard")
     if args.initial_emotion is None:

@@ -2,8 +2,8 @@
 
 RLVER (arXiv 2507.03112, Sec. 2) optimises a policy over whole conversations: the agent speaks,
 the simulated user appraises and answers (simulator.py), turn after turn until the dialogue
-ends (success, failure, a goodbye, or the turn limit `--max-turns`: 4 by default, 8 in the
-paper preset), and the final emotion / 100 is the reward of the whole dialogue (reward.py).
+ends (success, failure, a goodbye, or the turn limit `--max-turns`: 4 by default, 3 in the
+smollm2-cpu preset, 8 in the paper preset), and the final emotion / 100 is the reward of the whole dialogue (reward.py).
 This file:
 
   1. builds the agent's system prompt, with or without the think-then-say scaffold (Sec. 3.2);
@@ -79,9 +79,10 @@ class RolloutConfig:
     shaping_coef: float = field(default=0.0, metadata={
         "help": "optional per-turn reward shaping (reward.py; not in the paper)"})
     format_rule: Literal["paper", "none"] = field(default="paper", metadata={
-        "help": "think mode: paper: a turn that breaks <think>..</think> reply zeroes the dialogue's reward "
-                "(paper Sec. 2.3) | none: no penalty, the text after the last </think> (all of it when "
-                "missing) reaches the user (the official RLVER code)"})
+        "help": "paper: a turn that breaks the format zeroes the dialogue's reward (paper Sec. 2.3; with --think "
+                "not <think>..</think> reply, without an empty reply or think tags: reward.format_ok) | none: no "
+                "penalty; with --think the text after the last </think> (all of it when missing) reaches the "
+                "user (the official RLVER code)"})
 
 
 @dataclass

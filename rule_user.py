@@ -4,7 +4,8 @@ SAGE's user (simulator.py) is an LLM that reads the agent's reply and appraises 
 no LLM, `RuleBackend` plays the same part by rules a reader can check: it grades the reply on
 interpretable features, each in [0, 1] (readable text, a fitting length, acknowledging the
 feeling, reflecting the user's own words, an open question, words that serve the hidden goal;
-and, against, repeating itself, echoing its earlier replies, dismissing the user), sums them
+and, against, repeating itself, echoing its earlier replies, dismissing the user, a stack of
+questions, the user's own words said back, a reply that ends no sentence), sums them
 with fixed weights into a change of emotion (the care features paid only for the share of the
 reply's content words that the agent's earlier replies have not said), and answers with a
 templated line at the new emotion level, sometimes with a hint at its hidden goal. Deterministic given (seed, scenario,
@@ -166,7 +167,7 @@ class RuleBackend:
     # The challenging user (USERS): only goal-directed replies help (goal weighs most), generic
     # acknowledgement and questions are worth little, gibberish ("garbled" = 1 - readable),
     # repetition and dismissal cost much more, and the baseline is lower. The best possible reply
-    # gains less than with the standard user, the worst loses more (and is not clamped).
+    # gains less than with the standard user, the worst loses more (the ±100 clamp never binds).
     WEIGHTS_CHALLENGING = {"readable": 2.0, "length_ok": 0.5, "acknowledge": 0.5, "reflect": 1.0,
                            "open_question": 0.5, "goal": 5.0, "repetition": -8.0, "echo": -5.0,
                            "dismissive": -10.0, "stacked": -3.0, "parrot": -5.0, "unfinished": -3.0,

@@ -5,18 +5,26 @@ person with a persona, a background story and a *hidden goal* (what they really 
 talk), carrying an emotion score. After every agent reply it
 
   1. appraises the reply against persona, background and hidden goal, and outputs a signed
-     change (the standard user's is clamped to [-10, 10]; the challenging user's is not);
+     change (the standard user's is clamped to [-10, 10], the challenging user's to [-100, 100]);
   2. answers in character at its new state (or says goodbye).
 
-Under SAGE's rules (`rules="sage"`) the emotion stays in [0, 100] and the dialogue ends at
->= 100 (success), < 10 (failure), a goodbye, or max_turns; under the official RLVER code's
-(`rules="rlver"`) it is capped at 100 with no floor, and ends at <= 0, a goodbye or max_turns
-(RULES, `Simulator.step`). The final emotion / 100 is the reward (reward.py).
+How a dialogue ends (its `outcome`), by the rules in RULES (`rules="sage"`: the emotion in
+[0, 100]; `"rlver"`, the official RLVER code: capped at 100, no floor), and its reward:
+
+  outcome          when                                       where             reward
+  success          emotion >= 100 after a reply (sage only)   Simulator.step    final emotion / 100
+  failure          emotion < 10 (sage) | <= 0 (rlver)         Simulator.step    final emotion / 100
+  goodbye          the user's answer says goodbye             Simulator.step    final emotion / 100
+  max_turns        max_turns replies appraised                Simulator.step    final emotion / 100
+  max_tokens       the token budget ran out                   rollout.Dialogue  final emotion / 100
+  simulator_error  no usable answer from the LLM user         Simulator._error  none: left out, not 0
+The reward is clipped to [0, 1] and is 0 when a turn broke the format (reward.dialogue_reward);
+a dialogue stopped before its first appraisal has none (rollout.to_batch, `valid`).
 
 In the order a turn uses them: the scenario and the dialogue's state, the prompts (English and
-Chinese, our own words in SAGE's structure), the parsers, and the `Simulator` (the emotion update
-and the end of a dialogue). Two users, as in the paper (Table 3): `standard` (SAGE) and
-`challenging` (never reveals its goal, rewards only goal-directed replies, starts at 30; USERS).
+Chinese, our own words in SAGE's structure), the parsers, and the `Simulator`. Two users, as in
+the paper (Table 3): `standard` (SAGE) and `challenging` (never reveals its goal, rewards only
+goal-directed replies, starts at 30; USERS).
 The LLM user is any object with `chat(messages) -> str` (plumbing/backends.py: a server such as
 DeepSeek-V3 or `vllm serve`, a local model); the offline user is rule_user.RuleBackend.
 """
@@ -36,12 +44,6 @@ log = logging.getLogger("simulator")
 # --------------------------------------------------------------------------------------------
 # Scenarios and the state of a dialogue
 # --------------------------------------------------------------------------------------------
-# The paper's 8 hidden-goal types: 4 rational, 4 emotional (RLVER Sec. 2.2, SAGE Sec. 3).
-GOAL_TYPES = {
-    "advice": "rational", "analyze_others": "rational", "dialectical": "rational",
-    "self_reflection": "rational", "empathy": "emotional", "venting": "emotional",
-    "praise": "emotional", "validation": "emotional",
-}
 # Chit-chat (SAGE's extension, RLVER App. B.1): everyday talk, no problem to solve; the hidden
 # goal is an intention for the chat. These goal types switch the simulator to CHITCHAT_PROMPTS.
 CHITCHAT_GOALS = {
@@ -50,7 +52,6 @@ CHITCHAT_GOALS = {
     "sharing_chat": "wants to tell about something that happened to them and have it appreciated",
     "opinion_chat": "wants a lively exchange of views, including some friendly disagreement",
 }
-PERSONALITY_TYPES = ("negative", "passive", "avoidant")
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Scenario:
     personality_type: str = ""         # negative | passive | avoidant
     traits: list[str] = field(default_factory=list)
     language: str = "en"               # en | zh: which prompts the simulator uses
-    goal_type: str = ""                # GOAL_TYPES or CHITCHAT_GOALS (lets the rule user judge relevance)
+    goal_type: str = ""                # the paper's 8 (plumbing.scenarios.GOAL_TYPES) or CHITCHAT_GOALS
 
 
 @dataclass
@@ -76,7 +77,7 @@ class UserState:
     history: list[dict] = field(default_factory=list)
     turn: int = 0          # agent replies appraised so far
     done: bool = False
-    outcome: str | None = None  # success | failure | max_turns | goodbye | simulator_error
+    outcome: str | None = None  # success | failure | max_turns | goodbye | simulator_error (the docstring)
     trace: list[dict] = field(default_factory=list)
     user: str = "standard"      # which simulated user plays this dialogue (USERS)
 
@@ -87,10 +88,10 @@ class UserState:
 #   challenging  the official RLVER training simulator's kind of user: reserved, never reveals
 #                its hidden goal (not even hints), rewards only replies that move toward it (not
 #                generic encouragement), judges garbled or off-topic replies very negatively;
-#                starts at 30, its change not clamped (a bound of 100 never binds).
+#                starts at 30, its change clamped only to [-100, 100] (under --rules sage the
+#                emotion's [0, 100] binds first; under rlver, which has no floor, the -100 can).
 USERS = {"standard": {"max_change": 10, "initial_emotion": None},
          "challenging": {"max_change": 100, "initial_emotion": 30}}
-SAGE_INITIAL_EMOTION = 40  # SAGE's evaluation protocol starts every dialogue at 40
 
 # The rules a dialogue ends by, and the emotion's bounds, whichever the user (the module
 # docstring says each; docs/EVALUATION.md, "Where each rule comes from"): sage, SAGE's runner
@@ -106,16 +107,8 @@ def said_goodbye(text: str) -> bool:
     return bool(GOODBYE.search(text))
 
 
-def eval_initial_emotion(user: str) -> int:
-    """Where an evaluation dialogue starts: the user's own start (challenging: 30), else
-    SAGE's 40 (evaluate.py and the demo; training starts from 30, train.py's --initial-emotion)."""
-    own = USERS[user]["initial_emotion"]
-    return SAGE_INITIAL_EMOTION if own is None else own
-
-
 class SimulatorError(RuntimeError):
-    """No parsed answer within the allowed tries (through plumbing.backends.Asker, also backend
-    errors and a spent call budget)."""
+    """No parsed answer within the allowed tries (with plumbing.backends.Asker: any failed try)."""
 
 
 def clamp(x: int, lo: int, hi: int) -> int:

@@ -8,7 +8,7 @@
 
 One step of `train()` (RLVER, arXiv 2507.03112, Sec. 2 and 4.1), as its banners number it:
   1. rollout: `batch_size` training scenarios, each played `group_size` times (GRPO n=4, PPO
-     n=1) to the end of the dialogue (`max_turns`: 4 in the tiny preset, 8 in the paper's)
+     n=1) to the end of the dialogue (`max_turns`: 4 by default, 3 in smollm2-cpu, 8 in paper)
      against the simulated user (rollout.py, simulator.py), with the think-then-say scaffold
      when --think; the reward of a dialogue is its final emotion / 100 (reward.py)
   2. log-probs of the sampled tokens before the update (pi_old; the reference's when KL > 0;
@@ -22,7 +22,6 @@ logs) is in the package plumbing/, which a reader of the method may skip.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 import logging
@@ -37,7 +36,6 @@ from typing import Literal
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import HfArgumentParser
 
 from grpo import GRPOConfig, grpo_update
 from logprobs import add_logprobs
@@ -48,7 +46,9 @@ from plumbing.distributed import (gather_rollout_stats, make_accelerator, make_g
                                   process_group_timeout,
                                   reduce_stats, run_rollout, sampler_mismatch)
 from plumbing.engines import EngineArgs, VLLMEngine
-from plumbing.logs import UnscoredRun, fmt, plot_curve, unscored_problem, warn_empty_step, write_logs
+from plumbing.flags import parse_config, recipe
+from plumbing.logs import (UnscoredRun, fmt, plot_curve, setup_logging, unscored_problem, warn_empty_step,
+                           write_logs)
 from plumbing.models import load_models, make_optimizer, warmup_length
 from ppo import PPOConfig, ppo_update
 from rollout import RolloutConfig
@@ -63,7 +63,7 @@ class RunArgs:
     """train.py's own flags (the rest are declared where they are used, see Config)."""
     algo: Literal["grpo", "ppo"] = field(default="grpo", metadata={"help": "grpo | ppo"})
     preset: Literal["tiny", "smollm2-cpu", "paper", "none"] = field(default="tiny", metadata={
-        "help": "tiny: offline CPU demo (40 s); smollm2-cpu: a real chat model that learns on 2 CPU cores "
+        "help": "tiny: offline CPU demo (about 30 s); smollm2-cpu: a real chat model that learns on 2 CPU cores "
                 "(docs/LEARNING.md); paper: the paper's setup; none: the defaults below"})
     think: bool = field(default=False, metadata={
         "help": "think-then-say scaffold (<think>..</think> reply); with --format-rule paper a broken format "
@@ -307,68 +307,16 @@ def step_scenarios(scenarios, step, batch_size, seed, rank, world):
     return chosen[rank::world]
 
 
-def recipe(cfg: Config) -> dict:
-    """Every value that shapes training (the bookkeeping flags left out): logged at the start,
-    so a run states its recipe."""
-    bookkeeping = {"preset", "algo", "output_dir", "resume", "save_every", "keep_last", "report_to",
-                   "simulator_api_key_env", "scenarios"}
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in bookkeeping}
-
-
 # ============================================================================================
-# Flags: one per Config field (underscores -> dashes), parsed by transformers' HfArgumentParser.
-# Precedence: flag > preset > default.
+# Flags: one per Config field (underscores -> dashes), parsed by transformers' HfArgumentParser
+# (plumbing.flags.parse_config). Precedence: flag > preset > the algorithm's default > default.
 # ============================================================================================
 def parse_args(argv=None) -> Config:
-    parser = HfArgumentParser(Config, description=__doc__.split("\n")[0], formatter_class=argparse.HelpFormatter)
-    for f in dataclasses.fields(Config):
-        if f.default is False:  # a bool a preset may turn on: --no-X turns it off again
-            parser.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false",
-                                help=argparse.SUPPRESS)
-    for action in parser._actions:  # --help states each real default and what the presets set
-        if action.option_strings[0].startswith("--no"):
-            action.help = argparse.SUPPRESS  # listed with its flag: "--think (...; off: --no-think)"
-        elif action.dest in Config.__dataclass_fields__:
-            action.help += default_note(action)
-            action.option_strings.sort(key=lambda flag: "_" in flag)  # --actor-lr first, then --actor_lr
-    given = parser.parse_args(argv)  # first pass: which algorithm and preset
-    preset = {**ALGO_DEFAULTS[given.algo], **PRESETS[given.preset]}
-    if given.algo == "ppo":
-        preset.update(PRESET_PPO.get(given.preset, {}))
-    parser.set_defaults(**preset)
-    if given.preset == "paper":
-        # The official code trains think mode turn by turn: each agent turn its own sample with
-        # the dialogue's reward, earlier thoughts dropped from the history (docs/PAPER_SETUP.md, "Think mode").
-        parser.set_defaults(per_turn_samples=parser.parse_args(argv).think)
-    cfg = Config(**vars(parser.parse_args(argv)))
-    return cfg
-
-
-def default_note(action) -> str:
-    """' (default: X; ...)' for a flag's --help: its default and what the algorithms and presets set."""
-    name = action.dest
-    default = "data/scenarios_train.jsonl" if name == "scenarios" else action.default
-    notes = [f"default: {default}" if default != "" else "default: empty"]
-    if name in ALGO_DEFAULTS["grpo"]:
-        notes = ["default: " + ", ".join(f"{values[name]} with --algo {algo}" for algo, values in ALGO_DEFAULTS.items())]
-    for preset in ("tiny", "smollm2-cpu", "paper"):
-        if name in PRESETS[preset]:
-            notes.append(f"{preset} preset: {PRESETS[preset][name]}")
-        if name in PRESET_PPO.get(preset, {}):
-            notes.append(f"{preset} preset with ppo: {PRESET_PPO[preset][name]}")
-    if isinstance(default, bool):
-        notes.append(f"off: --no-{name.replace('_', '-')}")
-    return " (" + "; ".join(notes) + ")"
+    return parse_config(Config, PRESETS, ALGO_DEFAULTS, PRESET_PPO, argv, description=__doc__.split("\n")[0])
 
 
 def main(argv=None):
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    # Per-request / per-file lines drown the log (the openai client logs its requests through
-    # httpx, or httpx2 in openai 3).
-    for noisy in ("httpx", "httpx2", "accelerate", "matplotlib"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # accelerate warns that tied embeddings (lm_head = embed_tokens) are saved once: expected.
-    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
+    setup_logging()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill ends like Ctrl-C: one line
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv)

@@ -8,7 +8,10 @@ else is this file, in the order an update runs:
   1. masked statistics: every sum and mean over tokens goes through the loss mask
                                                      (masked_sum, masked_mean)
   2. the clipped surrogate, and the KL estimators    (clipped_surrogate; kl_penalty)
-  3. how many optimizer steps a rollout makes        (minibatch_count, needs_old_logprobs)
+  3. how many optimizer steps a rollout makes        (minibatch_count, needs_old_logprobs).
+     With one (one epoch, one minibatch: both CPU presets), pi_old is the policy itself, the
+     ratio is exactly 1 and the clip never acts; it acts from a rollout's second step on
+     (--minibatch-size below the step's scenarios, --epochs > 1, per-turn rows past a minibatch)
   4. epochs x shuffled minibatches x micro-batches with exact gradient accumulation, one
      optimizer step per minibatch; the algorithm supplies the loss (update_loop)
 
@@ -41,7 +44,8 @@ class UpdateConfig:
     kl_coef: float = field(default=0.0, metadata={"help": "KL to the initial policy (paper: 0, no reference model "
                                                           "loaded)"})
     epochs: int = field(default=1, metadata={"help": "passes over each step's rollout"})
-    group_size: int = field(default=1, metadata={"help": "dialogues per scenario (GRPO n=4; PPO n=1)"})
+    group_size: int = field(default=1, metadata={"help": "dialogues per scenario (train.py sets it by --algo: "
+                                                         "ALGO_DEFAULTS)"})
     minibatch_size: int = field(default=32, metadata={
         "help": "scenarios per optimizer step, all processes together: a minibatch is minibatch_size x "
                 "group_size rows (the official ppo_mini_batch_size: 32 prompts x n samples); a row is a "

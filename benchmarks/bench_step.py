@@ -10,8 +10,9 @@
                  the update finds it, so the update's own forward gives those log-probs
                  (update.update_loop leaves them in the batch) and the mismatch is read from them
 
-Each way runs `train.py --preset smollm2-cpu --engine vllm` (its sizes, from flags) for --steps
-steps in a fresh output folder; the first step (the engine's warm-up) is left out of the means.
+Each way runs `train.py --preset smollm2-cpu --engine vllm` (its sizes, from flags) as a process
+of its own (the separate pass: with update.needs_old_logprobs always true, set before train.py
+runs) for --steps steps in a fresh output folder; the first step (the engine's warm-up) is left out of the means.
 Printed: seconds per step and per rollout for each, and the ratio of the step times. The runs
 sample the same dialogues (same seed), so both steps do the same work but for the pass.
 
@@ -20,17 +21,22 @@ Exit status 1 when a way failed (no row printed for it); --json PATH writes the 
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
-from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE)]
 
 import report  # noqa: E402
-import train  # noqa: E402
 from plumbing.models import make_tiny_policy  # noqa: E402
+
+ROOT = os.path.dirname(HERE)
+# The old rule, for the separate pass: train.py imports needs_old_logprobs from update when it
+# starts, so setting it on update first makes train.py take a pass of its own every step.
+OLD_RULE = ("import runpy, sys, update; update.needs_old_logprobs = lambda *a, **k: True; "
+            "sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')")
 
 WAYS = ("separate pass", "from update")
 
@@ -50,16 +56,13 @@ def run(way: str, args, model: str, folder: str) -> dict:
              "--batch-size", str(args.batch_size), "--max-turns", str(args.max_turns), "--max-new-tokens",
              str(args.max_new_tokens), "--vllm-kv-cache-gb", str(args.vllm_kv_cache_gb), "--save-every",
              str(args.steps + 1), "--report-to", "none", "--output-dir", folder]
-    if way == "separate pass":  # the old rule: a pass of its own whenever an engine sampled
-        with mock.patch.object(train, "needs_old_logprobs", lambda *a, **k: True):
-            t0 = time.perf_counter()
-            rc = train.main(flags)
-    else:
-        t0 = time.perf_counter()
-        rc = train.main(flags)
+    # the old rule for the separate pass: a pass of its own whenever an engine sampled
+    cmd = ["-c", OLD_RULE] if way == "separate pass" else ["train.py"]
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, *cmd, *flags], cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    if rc != 0:
-        raise RuntimeError(f"train.py exited {rc}")
+    if p.returncode != 0:
+        raise RuntimeError(f"train.py exited {p.returncode}: {p.stderr.strip()[-500:]}")
     rows = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"), encoding="utf-8") if line.strip()]
     timed = rows[1:] or rows  # the first step warms the engine up
     return {"steps": len(rows), "wall_s": wall, "step_s": sum(r["step_time"] for r in timed) / len(timed),

@@ -60,8 +60,8 @@ class SimulatorArgs:
         "help": "simulator calls in flight at once, per process: under accelerate launch the server sees up to "
                 "this x the process count (train.py logs the total at the start)"})
     user: Literal["standard", "challenging"] = field(default="standard", metadata={
-        "help": "simulated user: standard (SAGE) | challenging (paper Table 3: never reveals its goal, unclamped "
-                "change)"})
+        "help": "simulated user: standard (SAGE; change clamped to [-10, 10]) | challenging (paper Table 3: never "
+                "reveals its goal, change clamped to [-100, 100])"})
     rules: Literal["sage", "rlver"] = field(default="sage", metadata={
         "help": "how a dialogue ends (simulator.RULES): sage (at emotion >= 100 or < 10, a goodbye or the turn "
                 "limit; emotion in [0, 100]) | rlver (the official RLVER code: at a goodbye, emotion <= 0 or the "

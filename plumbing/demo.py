@@ -16,8 +16,7 @@ from transformers import HfArgumentParser
 
 from plumbing.backends import SimulatorArgs, make_backend, make_simulator
 from plumbing.checks import InputError, check_floats
-from plumbing.scenarios import ScenarioError, load_scenarios
-from simulator import eval_initial_emotion
+from plumbing.scenarios import ScenarioError, eval_initial_emotion, load_scenarios
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

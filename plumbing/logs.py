@@ -136,6 +136,16 @@ def warn_empty_step(step: int, roll: dict):
                 step, roll["simulator_errors"], roll["unappraised"])
 
 
+def setup_logging():
+    """INFO lines with the time, for train.py and evaluate.py. Per-request and per-file lines
+    drown the log (the openai client logs its requests through httpx, or httpx2 in openai 3);
+    accelerate warns that tied embeddings (lm_head = embed_tokens) are saved once: expected."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "httpx2", "accelerate", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
+
+
 class UnscoredRun(RuntimeError):
     """train.py's --max-unscored-steps steps in a row had no dialogue to learn from: the run stops
     (one line, exit 1) rather than save an untrained model as final/."""

@@ -12,7 +12,24 @@ import dataclasses
 import json
 import os
 
-from simulator import CHITCHAT_GOALS, GOAL_TYPES, PERSONALITY_TYPES, Scenario
+from simulator import CHITCHAT_GOALS, USERS, Scenario
+
+# The paper's 8 hidden-goal types: 4 rational, 4 emotional (RLVER Sec. 2.2, SAGE Sec. 3); a
+# scenario's goal_type is one of them or a chit-chat intention (simulator.CHITCHAT_GOALS).
+GOAL_TYPES = {
+    "advice": "rational", "analyze_others": "rational", "dialectical": "rational",
+    "self_reflection": "rational", "empathy": "emotional", "venting": "emotional",
+    "praise": "emotional", "validation": "emotional",
+}
+PERSONALITY_TYPES = ("negative", "passive", "avoidant")
+SAGE_INITIAL_EMOTION = 40  # SAGE's evaluation protocol starts every dialogue at 40
+
+
+def eval_initial_emotion(user: str) -> int:
+    """Where an evaluation dialogue starts: the user's own start (challenging: 30), else
+    SAGE's 40 (evaluate.py and the demo; training starts from 30, train.py's --initial-emotion)."""
+    own = USERS[user]["initial_emotion"]
+    return SAGE_INITIAL_EMOTION if own is None else own
 
 # The official files name the 8 goals with fixed Chinese sentences and the personalities in Chinese.
 OFFICIAL_TASKS = {

@@ -114,6 +114,23 @@ def test_bench_step_toy(tmp_path):
     assert sep["mismatch_mean"] is not None and upd["mismatch_mean"] == pytest.approx(sep["mismatch_mean"], abs=1e-6)
 
 
+def test_bench_steps_old_rule_reaches_train_py(tmp_path, monkeypatch):
+    """Issue 47 item 15: bench_step.py no longer imports train (a launcher nothing imports); its
+    separate-pass way runs train.py as a process with update.needs_old_logprobs set first. That
+    rests on train.py taking the name from update when it starts: checked on a stand-in
+    train.py that reports what it took."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its report module
+    spec = importlib.util.spec_from_file_location("bench_step", os.path.join(ROOT, "benchmarks", "bench_step.py"))
+    bench_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_step)
+    assert "import train" not in open(os.path.join(ROOT, "benchmarks", "bench_step.py"), encoding="utf-8").read()
+    (tmp_path / "train.py").write_text("import sys\nfrom update import needs_old_logprobs\n"
+                                       "print(needs_old_logprobs(None, None), sys.argv)\n")
+    p = subprocess.run([sys.executable, "-c", bench_step.OLD_RULE, "--steps", "2"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 0 and p.stdout.strip() == "True ['train.py', '--steps', '2']", p.stderr[-2000:]
+
+
 def test_bench_logprob_pass_toy(tmp_path):
     """Issue 41 item 3: the three ways of grouping rows give the same log-probs; the grouped
     ways process fewer tokens than the full width."""

@@ -30,3 +30,19 @@ def test_the_cpu_installs_pin_the_torch_ci_tests():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert "pip install -q torch==2.13.0" in ci and "pip install torch==2.13.0 && pip install -r requirements.txt" in readme
+
+
+def test_the_lesson_stays_within_its_budget():
+    """Issue 47 item 14-15: the reader's path (the top-level .py files but evaluate.py and
+    judge.py) at most 2,800 lines, simulator.py at most 600; train.py a launcher nothing in the
+    project imports (benchmarks run it as a process)."""
+    import glob
+    import re
+    path = [f for f in glob.glob(os.path.join(ROOT, "*.py")) if os.path.basename(f) not in ("evaluate.py", "judge.py")]
+    lines = {os.path.basename(f): len(open(f, encoding="utf-8").read().splitlines()) for f in path}
+    assert sum(lines.values()) <= 2800, lines
+    assert lines["simulator.py"] <= 600
+    code = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "plumbing", "*.py")) + \
+        glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))
+    importers = [f for f in code if re.search(r"^\s*(import train\b|from train import)", open(f, encoding="utf-8").read(), re.M)]
+    assert not importers, importers

@@ -9,7 +9,8 @@ from conftest import OFFICIAL_DATA, ROOT
 from plumbing.backends import Asker
 from plumbing.scenarios import ScenarioError, load_scenarios
 from rule_user import RuleBackend
-from simulator import GOAL_TYPES, PERSONALITY_TYPES, Scenario, Simulator, UserState, parse_appraisal, parse_reply
+from plumbing.scenarios import GOAL_TYPES, PERSONALITY_TYPES
+from simulator import Scenario, Simulator, UserState, parse_appraisal, parse_reply
 
 
 def sc(**kw):
