@@ -593,6 +593,8 @@ def check_protocol(folder: str, proto: dict):
             old = json.load(f)
     except (OSError, ValueError):
         old = None
+    if isinstance(old, dict) and str(proto.get("weights")).startswith("hub:") and "weights" in old:
+        proto = {**proto, "weights": old["weights"]}  # a hub id not cached now: checked again once loaded
     if old == proto:
         return
     if not isinstance(old, dict):
@@ -857,11 +859,14 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
     if unscored:  # a simulated user that failed every dialogue: no score, not exit 0
         s, errors = summaries[unscored[0]], [r["error"] for r in results[unscored[0]] if r.get("error")]
         if errors:
+            again = ("simulator_error dialogues are played again" if args.replay_errors else
+                     "without --no-replay-errors, which keeps the simulator_error dialogues")
             why = (f"the simulator's last error: {errors[-1][:200]}); transcripts kept in {args.output_dir}: check "
                    f"the simulated user's server (--simulator-base-url, --simulator-model), then rerun the same "
-                   f"command to continue (simulator_error dialogues are played again)")
+                   f"command to continue ({again})")
         else:  # stopped before the first appraisal: a token budget too small for one reply
-            why = "no reply was appraised: check --max-total-tokens and --max-new-tokens)"
+            why = (f"no reply was appraised: play again with a larger --max-total-tokens or --max-new-tokens, into "
+                   f"another --output-dir or after removing {os.path.join(args.output_dir, unscored[0])})")
         sys.stderr.write(f"evaluate.py: error: no dialogue of {', '.join(unscored)} was scored ({s['simulator_errors']} "
                          f"simulator errors, {s['unscored']} never appraised; {why}\n")
         return 1

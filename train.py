@@ -279,11 +279,11 @@ def train(cfg: Config) -> dict:
         write_logs(accelerator, cfg.output_dir, row, batch)
         bar.set_postfix(reward=fmt(roll["reward"], ".3f"), turns=fmt(roll["turns"], ".1f"), s=f"{step_time:.1f}")
         last = row
+        unscored = unscored + 1 if skipped else 0
+        if unscored >= cfg.max_unscored_steps:  # before the checkpoint: a resume must not skip to the end
+            raise UnscoredRun(unscored_problem(batch, step, unscored))
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             save_checkpoint(accelerator, cfg, step + 1)
-        unscored = unscored + 1 if skipped else 0
-        if unscored >= cfg.max_unscored_steps:  # not a run that learned nothing and exits 0
-            raise UnscoredRun(unscored_problem(batch, step, unscored))
 
     save_final(accelerator, policy, tok, os.path.join(cfg.output_dir, "final"), dtype)
     if accelerator.is_main_process:

@@ -214,9 +214,9 @@ def answer_schema(parser, max_change: int = 10, max_tokens: int = 1024) -> dict 
         n = getattr(parser, "keywords", {}).get("n")
         if n is None:  # the count of turns is unknown: no schema
             return None
-        # A turn's labels: each strategy at most once (parse_labels reads them as a set).
-        turn = {"type": "array", "items": {"type": "string", "enum": list(STRATEGIES)}, "uniqueItems": True,
-                "maxItems": len(STRATEGIES)}
+        # A turn's labels: at most one of each strategy's worth (parse_labels reads them as a set;
+        # "uniqueItems" would say it exactly, but vLLM's xgrammar refuses the schema for it).
+        turn = {"type": "array", "items": {"type": "string", "enum": list(STRATEGIES)}, "maxItems": len(STRATEGIES)}
         return obj(turns={"type": "array", "items": turn, "minItems": n, "maxItems": n})
     return None
 
@@ -378,8 +378,9 @@ class OpenAIBackend:
             time.sleep(wait)
         if fmt != asked:  # a lower format was answered: the endpoint keeps it, logged once
             formats = list(self.FORMATS)
-            with self._lock:
-                if formats.index(self.format) < formats.index(fmt):  # once, whichever call met it first
+            with self._lock:  # once, whichever call met it first; a call that began below the
+                # endpoint's format (JSON mode for an answer without a schema) says nothing of it
+                if formats.index(asked) <= formats.index(self.format) < formats.index(fmt):
                     log.warning("%s endpoint refused %s (%s); continuing with %s", self.flag,
                                 self.FORMATS[asked], refusal, self.FORMATS[fmt])
                     self.format = fmt

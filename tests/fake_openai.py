@@ -75,7 +75,8 @@ class FakeOpenAIServer:
                  max_faults_in_a_row: int = 2, seed: int = 0, port: int = 0, api_key: str | None = None,
                  models=None, trickle: float = 0.2, latency_sigma: float = 0.0, slow_share: float = 0.0,
                  slow_factor: float = 5.0, schema: bool = True, schema_refusal=(400, "response_format json_schema "
-                                                                                   "unsupported")):
+                                                                                   "unsupported"),
+                 json_object: bool = True):
         self.faults = list(faults or [])  # consumed one per chat request, then "ok"
         self.fault_rate, self.fault_kinds, self.seed = fault_rate, tuple(fault_kinds), seed
         self.max_faults_in_a_row, self.seen = max_faults_in_a_row, {}
@@ -83,6 +84,7 @@ class FakeOpenAIServer:
         self.json_mode = json_mode  # False: answer 400 to response_format, like some servers
         self.schema = schema  # False: JSON mode only, a json_schema response_format refused:
         self.schema_refusal = schema_refusal  # with this (status, message)
+        self.json_object = json_object  # False: a json_object response_format refused (400), a schema taken
         self.api_key, self.models, self.trickle = api_key, models, trickle
         self.latency_sigma, self.slow_share, self.slow_factor = latency_sigma, slow_share, slow_factor
         self.rng = random.Random(seed)
@@ -142,6 +144,8 @@ class FakeOpenAIServer:
                         time.sleep(server.call_latency())
                     if "response_format" in req and not server.json_mode:
                         return self._send(400, b'{"error": {"message": "response_format unsupported"}}')
+                    if req.get("response_format", {}).get("type") == "json_object" and not server.json_object:
+                        return self._send(400, b'{"error": {"message": "response_format json_object unsupported"}}')
                     if req.get("response_format", {}).get("type") == "json_schema" and not server.schema:
                         status, message = server.schema_refusal
                         return self._send(status, json.dumps({"error": {"message": message}}).encode())

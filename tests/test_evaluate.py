@@ -219,8 +219,9 @@ def test_never_appraised_dialogues_are_not_scored(tmp_path, capsys):
     row = [l for l in out.splitlines() if l.startswith("tiny")][0].split()
     assert row[1:3] == ["0", "-"]
     assert err.strip().splitlines()[-1] == ("evaluate.py: error: no dialogue of tiny was scored (0 simulator errors, 2 "
-                                            "never appraised; no reply was appraised: check --max-total-tokens and "
-                                            "--max-new-tokens)")
+                                            "never appraised; no reply was appraised: play again with a larger "
+                                            "--max-total-tokens or --max-new-tokens, into another --output-dir or "
+                                            f"after removing {tmp_path / 'tiny'})")
 
 
 def test_rerun_replays_simulator_errors_once_the_simulator_is_back(tmp_path):
@@ -1008,6 +1009,9 @@ def test_a_hub_model_downloaded_by_the_first_run_continues_on_rerun(tmp_path, ca
     capsys.readouterr()
     assert main(args) == 0, last_error(capsys)  # was refused: 'the weights at org/chat-7b changed'
     assert len(load_transcripts(str(transcripts))) == 2
+    import shutil
+    shutil.rmtree(hub)  # the cache cleared: the check before loading sees 'hub:ID', the one after the same weights
+    assert main(args) == 0, last_error(capsys)
     fake_snapshot(hub, "org/chat-7b", "b" * 40, b"weights v2")  # a newer revision replaces the cached one
     assert main(args[:-1] + [str(tmp_path / "out")] + ["--limit", "2"]) == 2
     assert "the weights at org/chat-7b changed since they were played" in last_error(capsys)

@@ -348,6 +348,19 @@ def test_any_refusal_of_the_schema_steps_down_to_json_mode(status, message, capl
     assert f"Error code: {status}" in caplog.text
 
 
+def test_a_call_without_a_schema_never_steps_the_endpoint_off_the_schema():
+    """Item 1, from a review: a call without a schema starts at JSON mode; when the server
+    refused that and answered plain text, the endpoint fell from the schema to plain text,
+    though no schema was ever refused. It keeps the schema now."""
+    with FakeOpenAIServer(json_object=False) as srv:
+        b = backend(srv)
+        assert b.chat([{"role": "user", "content": "hi"}])  # no schema: JSON mode, refused, then text
+        assert b.format == "json_schema"
+        sim = simulator(b, initial_emotion=30, max_turns=1)
+        assert play(sim, turns=1).outcome == "max_turns" and sim.ask.take_counts(b)["parse_retries"] == 0
+    assert srv.requests[-1]["body"]["response_format"]["type"] == "json_schema"
+
+
 def test_a_400_in_every_format_is_a_failed_try_and_no_step_down(caplog):
     """Item 1: a 400 for another reason (the context is too long) is refused in every format:
     one failed try (schema, JSON mode, plain text asked at once), and the endpoint keeps the
@@ -408,7 +421,7 @@ def test_the_longest_answer_in_chinese_fits_max_tokens():
     characters of SAGE's Chinese are 1,400 SmolLM2 tokens. Now each bound is derived from
     max_tokens (3 tokens a character, the byte-level worst case): the longest answer allowed, in
     the Chinese characters that cost SmolLM2 the most tokens, fits; a label list has at most
-    one of each strategy."""
+    seven labels."""
     import re
 
     from plumbing.models import smollm2_dir, smollm2_missing
@@ -427,8 +440,21 @@ def test_the_longest_answer_in_chinese_fits_max_tokens():
     prose = "".join(re.findall(r"[\u4e00-\u9fff，。：；！？、]+", text))[:800]  # the old bound, in SAGE's words
     assert len(tok(prose, add_special_tokens=False)["input_ids"]) > 1024
     labels = answer_schema(__import__("functools").partial(__import__("judge").parse_labels, n=2))
-    assert labels["properties"]["turns"]["items"]["uniqueItems"] is True
     assert labels["properties"]["turns"]["items"]["maxItems"] == 7
+
+
+def test_our_schemas_are_ones_vllm_accepts():
+    """Every schema answer_schema writes is one vLLM's xgrammar backend takes (the documented
+    server setting): a schema it refuses is a 400, which steps the endpoint down to JSON mode.
+    ("uniqueItems" on the label lists was refused.)"""
+    import functools
+
+    xgrammar = pytest.importorskip("vllm.v1.structured_output.backend_xgrammar")
+    from judge import parse_judgement, parse_labels
+    from simulator import parse_appraisal, parse_opening, parse_reply
+    for parser in (parse_appraisal, parse_reply, parse_opening, parse_judgement, functools.partial(parse_labels, n=4)):
+        schema = answer_schema(parser, 100, 2048)
+        assert not xgrammar.has_xgrammar_unsupported_json_features(schema), schema
 
 
 def test_a_malformed_body_never_shows_part_of_the_key(monkeypatch):

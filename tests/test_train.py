@@ -580,6 +580,19 @@ def test_a_run_whose_simulator_fails_every_call_stops_and_exits_non_zero(tmp_pat
     assert not (tmp_path / "final").exists() and os.listdir(tmp_path / "checkpoints") == ["step_000002"]
 
 
+def test_a_run_that_stops_on_its_last_step_saves_no_checkpoint_of_it(tmp_path, capsys):
+    """Item 2, from a review: the checkpoint of the last step was saved before the stop, so the
+    `--resume auto` the error line suggests started at the end, ran no step and wrote the
+    untrained model as final/ with exit 0. The stop now comes first."""
+    from fake_openai import FakeOpenAIServer
+    with FakeOpenAIServer(fault_rate=1.0, fault_kinds=("garbage",), max_faults_in_a_row=10 ** 9) as srv:
+        rc = main([*QUICK, "--steps", "3", "--save-every", "1", "--simulator", "openai", "--simulator-base-url",
+                   srv.base_url, "--simulator-model", "fake", "--output-dir", str(tmp_path)])
+    assert rc == 1 and "no dialogue was scored in 3 steps" in last_error_line(capsys)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000001", "step_000002"]
+    assert not (tmp_path / "final").exists()
+
+
 def test_a_step_that_scores_again_resets_the_count(tmp_path):
     """Item 2: the stop counts steps in a row; with --max-unscored-steps 2 a run whose every
     other step fails goes to the end."""
