@@ -18,8 +18,8 @@ How a dialogue ends (its `outcome`), by the rules in RULES (`rules="sage"`: the 
   max_turns        max_turns replies appraised                Simulator.step    final emotion / 100
   max_tokens       the token budget ran out                   rollout.Dialogue  final emotion / 100
   simulator_error  no usable answer from the LLM user         Simulator._error  none: left out, not 0
-The reward is clipped to [0, 1] and is 0 when a turn broke the format (reward.dialogue_reward);
-a dialogue stopped before its first appraisal has none (rollout.to_batch, `valid`).
+Clipped to [0, 1], 0 when a turn broke the format (--format-rule paper), plus --shaping-coef's
+term (reward.py); a dialogue stopped before its first appraisal has none (rollout.to_batch).
 
 In the order a turn uses them: the scenario and the dialogue's state, the prompts (English and
 Chinese, our own words in SAGE's structure), the parsers, and the `Simulator`. Two users, as in
