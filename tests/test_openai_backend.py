@@ -90,11 +90,14 @@ def test_server_without_json_mode_falls_back():
 
 def test_json_mode_fallback_is_not_a_failed_try():
     """A server without JSON mode is asked again at once: with no retries at all (max_retries=0,
-    as bench_rollout uses) the call still gets its answer. (It raised UnboundLocalError.)"""
+    as bench_rollout uses) the call still gets its answer. (It raised UnboundLocalError.) A call
+    without a schema starts at JSON mode, so its refusal says nothing of the schema: the endpoint
+    keeps it until a schema is refused (test_server_without_json_mode_falls_back)."""
     with FakeOpenAIServer(json_mode=False) as srv:
         b = backend(srv, max_retries=0)
         text = b.chat([{"role": "user", "content": "hi"}])
-    assert isinstance(text, str) and text and b.json_mode is False and len(srv.requests) == 2
+    assert isinstance(text, str) and text and b.format == "json_schema" and len(srv.requests) == 2
+    assert "response_format" not in srv.requests[-1]["body"]
 
 
 def test_check_reports_unreachable_endpoint():
