@@ -72,6 +72,7 @@ from plumbing.logs import AGENT_ROLES, mean, reply_means, reply_measures, setup_
 from plumbing.scenarios import ScenarioError, eval_initial_emotion, json_line, load_scenarios  # noqa: E402
 from reward import split_think  # noqa: E402
 from rollout import RolloutConfig, build_system_prompt, rollout, sampling_settings  # noqa: E402
+from simulator import RULES  # noqa: E402
 
 log = logging.getLogger("evaluate")
 
@@ -146,7 +147,7 @@ def recorded_rules(path: str) -> str | None:
             rules = json.load(f).get("rules")
     except (OSError, ValueError, AttributeError):
         return None
-    return rules if rules in ("sage", "rlver") else None
+    return rules if rules in RULES else None
 
 
 def normalize_record(obj: dict, where: str) -> dict:

@@ -72,10 +72,8 @@ def process_group_timeout(cfg) -> float:
     dialogues in waves of --simulator-concurrency, each making at most 2 x --max-turns + 1 calls
     (an opening, then an appraisal and an answer per turn) of at most --simulator-call-budget
     seconds; twice that, plus 10 minutes for generation and the update, and never below TRL's
-    default of 30 minutes (the offline rule user makes no call: 30 minutes)."""
-    if not (math.isfinite(cfg.process_group_timeout) and cfg.process_group_timeout >= 0):
-        raise InputError(f"--process-group-timeout {cfg.process_group_timeout}: must be a finite number of "
-                         f"seconds >= 0 (0: derived)")
+    default of 30 minutes (the offline rule user makes no call: 30 minutes). The flags' ranges
+    are checked before (plumbing.checks.FLOAT_RANGES, through validate)."""
     if cfg.process_group_timeout > 0:
         return float(cfg.process_group_timeout)
     if cfg.simulator == "rule":
