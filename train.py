@@ -41,10 +41,10 @@ from grpo import GRPOConfig, grpo_update
 from logprobs import add_logprobs
 from plumbing.backends import EndpointError, SimulatorArgs, describe, make_simulator
 from plumbing.checkpoints import SaveError, resume_hint, resume_if_asked, save_checkpoint, save_final
-from plumbing.checks import InputError, checked_backend, lock_output_dir, make_output_dir, validate
-from plumbing.distributed import (gather_rollout_stats, make_accelerator, make_generation_copy, pad_to_equal_rows,
-                                  process_group_timeout,
-                                  reduce_stats, run_rollout, sampler_mismatch)
+from plumbing.checks import InputError, checked_backend, validate
+from plumbing.distributed import (claim_output_dir, first_on_node, gather_rollout_stats, make_accelerator,
+                                  make_generation_copy, pad_to_equal_rows, process_group_timeout, reduce_stats,
+                                  run_rollout, sampler_mismatch)
 from plumbing.engines import EngineArgs, VLLMEngine
 from plumbing.flags import parse_config, recipe
 from plumbing.logs import (UnscoredRun, fmt, plot_curve, setup_logging, unscored_problem, warn_empty_step,
@@ -155,9 +155,8 @@ def train(cfg: Config) -> dict:
     # ---- set-up: every input checked first (one line on bad input, before any heavy work) ----
     scenarios = validate(cfg)
     backend = checked_backend(cfg, seed=cfg.seed)
-    make_output_dir("--output-dir", cfg.output_dir)
-    lock = lock_output_dir(cfg.output_dir)  # held until the end of train() (or of the process)
     accelerator, mp, fsdp = make_accelerator(cfg)
+    lock = claim_output_dir(accelerator, cfg.output_dir)  # made once, seen by every node; held to the end
     set_seed(cfg.seed, device_specific=True)  # each process samples its own dialogues
     dtype = torch.bfloat16 if mp == "bf16" else torch.float32
     # Mixed precision keeps fp32 master weights: with bf16 weights AdamW's small updates (lr 1e-6
@@ -321,28 +320,30 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv)
     # Every exit from bad input, a fault or a signal is one line: what is wrong, what was kept,
-    # and the command that continues. One write call, newline included: ranks share one stderr
-    # pipe, and with an unbuffered stderr (PYTHONUNBUFFERED=1) print() makes two writes, text
-    # then "\n", which interleave when several ranks fail at once (seen in CI).
+    # and the command that continues, said by the first process of each node (first_on_node: on
+    # a cluster each node's log says why it stopped, with that node's own launch command). One
+    # write call, newline included: ranks share one stderr pipe, and with an unbuffered stderr
+    # (PYTHONUNBUFFERED=1) print() makes two writes, text then "\n", which interleave when several
+    # ranks fail at once (seen in CI).
     try:
         train(cfg)
-    except InputError as e:  # the same on every process: said once
-        if os.environ.get("RANK", "0") == "0":
+    except InputError as e:  # the same on every process: said once per node
+        if first_on_node():
             sys.stderr.write(f"train.py: error: {e}\n")
         return 2
     except EndpointError as e:  # said by every process that met it (the main one may not have)
         sys.stderr.write(f"train.py: error: {e}\n")
         return 2
     except UnscoredRun as e:  # every process stops at the same step
-        if os.environ.get("RANK", "0") == "0":
+        if first_on_node():
             sys.stderr.write(f"train.py: error: {e}; {resume_hint(cfg, argv)}\n")
         return 1
-    except SaveError as e:  # said by the main process, and by any other whose own write failed
-        if os.environ.get("RANK", "0") == "0" or not e.elsewhere:
+    except SaveError as e:  # said once per node, and by any other process whose own write failed
+        if first_on_node() or not e.elsewhere:
             sys.stderr.write(f"train.py: error: {e}; {resume_hint(cfg, argv)}\n")
         return 1
     except KeyboardInterrupt:
-        if os.environ.get("RANK", "0") == "0":
+        if first_on_node():
             sys.stderr.write(f"train.py: interrupted; {resume_hint(cfg, argv)}\n")
         return 130
     return 0

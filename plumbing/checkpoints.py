@@ -16,7 +16,8 @@ import shutil
 import sys
 
 import torch
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import DistributedType, broadcast_object_list
+from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
 from update import all_sum
 
@@ -145,8 +146,21 @@ def save_checkpoint(accelerator, cfg, step):
     and trainer_state.json (the step and the run's config), as checkpoints/step_NNNNNN."""
     root = ckpt_dir(cfg)
     with written_atomically(os.path.join(root, f"step_{step:06d}"), owner=accelerator.is_main_process) as tmp:
-        accelerator.wait_for_everyone()  # the main process has removed a stale temporary folder
+        # The main process makes the folders (after removing a stale temporary one), the others
+        # wait for it (prime-rl 2699: folders made by every process at once fail on parallel
+        # file systems), and all learn whether it could.
         error = None
+        if accelerator.is_main_process:
+            try:
+                for folder in checkpoint_folders(accelerator, tmp):
+                    os.makedirs(folder, exist_ok=True)
+            except OSError as e:
+                error = e
+        made = all_sum(torch.tensor(float(error is None), device=accelerator.device), accelerator).item()
+        if error is not None:
+            raise error
+        if made < accelerator.num_processes:
+            raise _FailedElsewhere("the main process could not make the checkpoint's folder")
         try:
             accelerator.save_state(tmp)
         except Exception as e:  # e.g. this process's disk is full
@@ -167,6 +181,17 @@ def save_checkpoint(accelerator, cfg, step):
         for old in saved_checkpoints(cfg)[:-cfg.keep_last]:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def checkpoint_folders(accelerator, tmp: str) -> list[str]:
+    """The folders a checkpoint's processes write into: the checkpoint, and under FSDP the
+    folder of each model's and optimizer's shards (accelerate's save_fsdp_model and
+    save_fsdp_optimizer name them, and make them on every process, which is then a no-op)."""
+    folders = [tmp]
+    if accelerator.distributed_type == DistributedType.FSDP:
+        folders += [os.path.join(tmp, f"{FSDP_MODEL_NAME}_{i}") for i in range(len(accelerator._models))]
+        folders += [os.path.join(tmp, f"{OPTIMIZER_NAME}_{i}") for i in range(len(accelerator._optimizers))]
+    return folders
 
 
 def save_final(accelerator, policy, tok, path, dtype=None):

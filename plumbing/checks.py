@@ -239,8 +239,9 @@ def lock_output_dir(path: str):
     """One run per output directory: two runs would interleave their metrics and overwrite each
     other's checkpoints. An exclusive lock (flock) on `.lock` in the directory, held until the
     process exits (the kernel drops it on a crash or SIGKILL too, so nothing stale is left).
-    Each process of a multi-process launch locks its own file (`.lock-RANK`): a second launch
-    clashes with the first on every rank, and all its processes stop. Returns the open file
+    Each process of a multi-process launch locks its own file (`.lock-RANK`), and all agree on
+    the outcome (plumbing.distributed.claim_output_dir): a second launch stops on every process,
+    even when only some of its ranks clash with the first run's. Returns the open file
     (keep it referenced); InputError naming the directory and the holder's pid if locked."""
     rank = os.environ.get("RANK", "0")
     f = open(os.path.join(path, ".lock" if rank == "0" else f".lock-{rank}"), "a+", encoding="utf-8")

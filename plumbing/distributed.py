@@ -2,6 +2,8 @@
 
   make_accelerator      devices, mixed precision, the launch checked (FSDP2 only, the process
                         count accelerate sees)
+  claim_output_dir      --output-dir made once, seen by every node (a shared file system), and
+                        locked by every process; which node and host each process is on
   run_rollout           rollout.rollout with the model this process generates from: under FSDP
                         an unsharded copy gathered once per rollout (make_generation_copy)
   pad_to_equal_rows     every process runs as many forward/backward passes (each is a
@@ -17,21 +19,29 @@ import copy
 import dataclasses
 import datetime
 import functools
+import logging
 import math
 import os
+import socket
+import tempfile
+import time
+import uuid
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, gather_object
+from accelerate.utils import (DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs,
+                               broadcast_object_list, gather_object)
 from torch.distributed.fsdp import MixedPrecisionPolicy, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from plumbing.checks import InputError
+from plumbing.checks import InputError, lock_output_dir, make_output_dir
 from plumbing.logs import reply_measures, rollout_stats, trackers
 from rollout import rollout
 from update import all_sum
+
+log = logging.getLogger("train")
 
 
 def make_accelerator(cfg):
@@ -100,6 +110,113 @@ def check_launch(accelerator):
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise InputError("fsdp_version: 1 in the accelerate config is not supported; "
                          "set fsdp_config.fsdp_version: 2 (FSDP2, as configs/fsdp_8gpu.yaml)")
+
+
+def node_of(rank: int) -> int:
+    """The node a process runs on: torchrun gives node K the ranks K x P .. K x P + P - 1 (P =
+    LOCAL_WORLD_SIZE processes per node), with any rendezvous."""
+    return rank // int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def first_on_node() -> bool:
+    """Is this the first process of its node (LOCAL_RANK 0)? It says a launch's one-line errors
+    on its node: a user reading node 1's log learns why node 1 stopped. Also without a launcher."""
+    return os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
+
+
+SEEN_WAIT = 10.0  # seconds a process looks for the main process's marker (file systems lag)
+
+
+def claim_output_dir(accelerator, path: str):
+    """--output-dir for this launch -> this process's lock (keep it referenced); InputError (one
+    line, on every process) when it cannot be used.
+
+    Several processes, several nodes: what goes wrong on clusters (ours to prevent, each seen in
+    the libraries' issues):
+    - Made once. Only the main process creates the folder; the others wait (one collective). A
+      folder made by every process at once (os.makedirs(exist_ok=True)) fails on parallel file
+      systems whose metadata lags: EEXIST, then "not a folder" (prime-rl 2699, NeMo 3686).
+    - Seen by every node. The main process writes a marker named by a random token; every process
+      looks for it (up to SEEN_WAIT seconds: NFS caches lookups) and all agree (one gather).
+      A node that does not see it has its own disk there (a relative --output-dir on node-local
+      storage): the main process's checkpoints would not be there to resume from (accelerate
+      3010: the sharded checkpoint's .metadata is only on the main node), and every node's
+      first process would write its own logs. Refused, naming the nodes.
+    - Locked by every process (plumbing.checks.lock_output_dir, a file per rank), the outcome
+      agreed: a second launch on the same folder stops on every process together, even when
+      only some of its ranks clash with the first run's (a launch of another size).
+    Each node's first process logs which ranks and host it runs and where the main process is:
+    with a c10d rendezvous rank 0 is not always on the host given (pytorch 150660)."""
+    if accelerator.num_processes == 1:
+        make_output_dir("--output-dir", path)
+        return lock_output_dir(path)
+    problem = token = None
+    if accelerator.is_main_process:
+        token = uuid.uuid4().hex
+        try:
+            make_output_dir("--output-dir", path)
+            with open(os.path.join(path, f".shared-check-{token}"), "w", encoding="utf-8") as f:
+                f.write(token)
+        except InputError as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"--output-dir {path}: cannot write there ({e.strerror or e})"
+    problem, token, main_host = broadcast_object_list([problem, token, socket.gethostname()])
+    if problem:
+        raise InputError(problem)
+    mine = None if _sees(path, token) else "blind"
+    if mine is None:
+        try:
+            tempfile.TemporaryFile(dir=path).close()
+        except OSError as e:
+            mine = f"--output-dir {path}: cannot write there on host {socket.gethostname()} ({e.strerror or e})"
+    views = gather_object([(accelerator.process_index, mine)])  # all have looked: the marker goes
+    if accelerator.is_main_process:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(path, f".shared-check-{token}"))
+    blind = sorted({node_of(rank) for rank, seen in views if seen == "blind"})
+    if blind:
+        nodes = f"node {blind[0]} does" if len(blind) == 1 else f"nodes {', '.join(map(str, blind))} do"
+        raise InputError(
+            f"--output-dir {path}: {nodes} not see the files the main process (node 0, host {main_host}) "
+            f"writes there, so it is on each node's own disk: the checkpoints could not be resumed from on "
+            f"every node; put --output-dir on a file system all nodes share (NFS, Lustre, ...), the same path "
+            f"on each")
+    other = next((seen for _, seen in views if seen), None)
+    if other:
+        raise InputError(other)
+    lock = error = None
+    try:
+        lock = lock_output_dir(path)
+    except InputError as e:
+        error = str(e)
+    errors = [e for e in gather_object([error]) if e]
+    if errors:
+        if lock is not None:
+            lock.close()
+        raise InputError(errors[0])
+    nodes = accelerator.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    if nodes > 1 and first_on_node():
+        node, per = node_of(accelerator.process_index), accelerator.num_processes // nodes
+        log.info("node %d of %d: ranks %d-%d on host %s; the main process (rank 0: metrics.jsonl, samples.jsonl, "
+                 "the checkpoints, final/) runs on host %s; --output-dir %s is shared", node, nodes, node * per,
+                 node * per + per - 1, socket.gethostname(), main_host, path)
+    return lock
+
+
+def _sees(path: str, token: str) -> bool:
+    """Does this process find the main process's marker in `path` (within SEEN_WAIT seconds)?"""
+    deadline = time.time() + SEEN_WAIT
+    while True:
+        try:
+            with open(os.path.join(path, f".shared-check-{token}"), encoding="utf-8") as f:
+                if f.read() == token:
+                    return True
+        except OSError:
+            pass
+        if time.time() > deadline:
+            return False
+        time.sleep(0.5)
 
 
 def make_generation_copy(model, device, dtype):

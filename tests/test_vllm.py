@@ -354,19 +354,22 @@ def test_dialogues_stop_at_the_engines_max_length(model_dir):
     assert all(int(n) <= 160 for n in b.attention_mask.sum(1))
 
 
-def test_each_process_builds_its_engine_on_its_own_device(tmp_path):
+@pytest.mark.parametrize("nodes,nproc", [(1, 2), (2, 1)])
+def test_each_process_builds_its_engine_on_its_own_device(nodes, nproc, tmp_path):
     """Issue 40 item 5: under `accelerate launch` every process's engine took local rank 0
     (vLLM's single-process executor: cuda:0 on a GPU node, eight engines on one GPU). Each engine
     now joins the trainer's process group with vLLM's external launcher and runs on its own
     process's local rank; the trainer's device and process group are as they were; one process's
-    generation does not wait for the other's (process 1 held back 6 s)."""
+    generation does not wait for the other's (process 1 held back 6 s). Issue 48 item 5: on 2
+    nodes x 1 process (tests/cpu_launch.py --nnodes 2), each engine runs on its node's local
+    rank 0, not on its global rank."""
     out = tmp_path / "engine"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cpu_launch.py"), "--nproc", "2", "--mode", "ddp",
-                        "--timeout", "300", "--", "tests/mp_engine.py", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=360)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cpu_launch.py"), "--nnodes", str(nodes),
+                        "--nproc", str(nproc), "--mode", "ddp", "--timeout", "300", "--", "tests/mp_engine.py",
+                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     seen = [json.load(open(f"{out}.{rank}.json")) for rank in (0, 1)]
     for rank, r in enumerate(seen):
-        assert r["rank"] == r["local_rank"] == r["engine_local_rank"] == rank
+        assert r["rank"] == rank and r["local_rank"] == r["engine_local_rank"] == rank % nproc
         assert r["device_before"] == r["device_after"] and r["allreduce"] == 3.0 and r["tokens"] > 0
     assert seen[0]["generate_s"] < 3.0  # not after process 1's 6 s
