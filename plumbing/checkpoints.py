@@ -143,44 +143,58 @@ def saved_checkpoints(cfg) -> list[str]:
 
 def save_checkpoint(accelerator, cfg, step):
     """Models, optimizers, schedulers and every process's RNG state (accelerate's save_state),
-    and trainer_state.json (the step and the run's config), as checkpoints/step_NNNNNN."""
+    and trainer_state.json (the step and the run's config), as checkpoints/step_NNNNNN. Every
+    process learns the outcome, the main process's rename included: a process that raised alone
+    would leave the others waiting in the next collective (on NCCL, for the whole timeout), and
+    their nodes would not say why."""
     root = ckpt_dir(cfg)
-    with written_atomically(os.path.join(root, f"step_{step:06d}"), owner=accelerator.is_main_process) as tmp:
-        # The main process makes the folders (after removing a stale temporary one), the others
-        # wait for it (prime-rl 2699: folders made by every process at once fail on parallel
-        # file systems), and all learn whether it could.
-        error = None
-        if accelerator.is_main_process:
+    path = os.path.join(root, f"step_{step:06d}")
+    outcome = None
+    try:
+        with written_atomically(path, owner=accelerator.is_main_process) as tmp:
+            # The main process makes the folders (after removing a stale temporary one), the
+            # others wait for it (prime-rl 2699: folders made by every process at once fail on
+            # parallel file systems), and all learn whether it could.
+            error = None
+            if accelerator.is_main_process:
+                try:
+                    for folder in checkpoint_folders(accelerator, tmp):
+                        os.makedirs(folder, exist_ok=True)
+                except OSError as e:
+                    error = e
+            made = all_sum(torch.tensor(float(error is None), device=accelerator.device), accelerator).item()
+            if error is not None:
+                raise error
+            if made < accelerator.num_processes:
+                raise _FailedElsewhere("the main process could not make the checkpoint's folder")
             try:
-                for folder in checkpoint_folders(accelerator, tmp):
-                    os.makedirs(folder, exist_ok=True)
-            except OSError as e:
+                accelerator.save_state(tmp)
+                if accelerator.is_main_process:
+                    with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
+                        json.dump({"step": step, "config": dataclasses.asdict(cfg)}, f, indent=1)
+            except Exception as e:  # e.g. this process's disk is full
                 error = e
-        made = all_sum(torch.tensor(float(error is None), device=accelerator.device), accelerator).item()
-        if error is not None:
-            raise error
-        if made < accelerator.num_processes:
-            raise _FailedElsewhere("the main process could not make the checkpoint's folder")
-        try:
-            accelerator.save_state(tmp)
-        except Exception as e:  # e.g. this process's disk is full
-            error = e
-        # Every process writes its own files (RNG state, FSDP shards): all must have finished,
-        # and all succeeded, before the main process publishes the folder by renaming it. A
-        # process that failed says so here; raising at once would leave the others waiting in
-        # the next collective for good.
-        failed = all_sum(torch.tensor(float(error is not None), device=accelerator.device), accelerator).item()
-        if error is not None:
-            raise error
-        if failed:
-            raise _FailedElsewhere(f"{int(failed)} other process(es) could not write their part")
+            # Every process writes its own files (RNG state, FSDP shards): all must have
+            # finished, and all succeeded, before the main process publishes the folder by
+            # renaming it (when this block ends).
+            failed = all_sum(torch.tensor(float(error is not None), device=accelerator.device), accelerator).item()
+            if error is not None:
+                raise error
+            if failed:
+                raise _FailedElsewhere(f"{int(failed)} other process(es) could not write their part")
         if accelerator.is_main_process:
-            with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
-                json.dump({"step": step, "config": dataclasses.asdict(cfg)}, f, indent=1)
-    if accelerator.is_main_process:
-        for old in saved_checkpoints(cfg)[:-cfg.keep_last]:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    accelerator.wait_for_everyone()
+            for old in saved_checkpoints(cfg)[:-cfg.keep_last]:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    except SaveError as e:
+        outcome = e
+    # The rename is the main process's alone: every process learns whether it was done.
+    failed = all_sum(torch.tensor(float(outcome is not None), device=accelerator.device), accelerator).item()
+    if outcome is not None:
+        raise outcome
+    if failed:
+        error = SaveError(f"could not write {path}: the main process could not publish it")
+        error.elsewhere = True
+        raise error
 
 
 def checkpoint_folders(accelerator, tmp: str) -> list[str]:

@@ -114,7 +114,8 @@ def check_launch(accelerator):
 
 def node_of(rank: int) -> int:
     """The node a process runs on: torchrun gives node K the ranks K x P .. K x P + P - 1 (P =
-    LOCAL_WORLD_SIZE processes per node), with any rendezvous."""
+    LOCAL_WORLD_SIZE processes per node). With the static rendezvous (docs/MULTI_GPU.md) K is
+    the machine rank; with c10d, the order in which the nodes joined."""
     return rank // int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
@@ -139,12 +140,15 @@ def claim_output_dir(accelerator, path: str):
     - Seen by every node. The main process writes a marker named by a random token; every process
       looks for it (up to SEEN_WAIT seconds: NFS caches lookups) and all agree (one gather).
       A node that does not see it has its own disk there (a relative --output-dir on node-local
-      storage): the main process's checkpoints would not be there to resume from (accelerate
-      3010: the sharded checkpoint's .metadata is only on the main node), and every node's
-      first process would write its own logs. Refused, naming the nodes.
-    - Locked by every process (plumbing.checks.lock_output_dir, a file per rank), the outcome
-      agreed: a second launch on the same folder stops on every process together, even when
-      only some of its ranks clash with the first run's (a launch of another size).
+      storage): the checkpoints would be the main node's alone (each node would hold only its
+      processes' RNG states and shards, never renamed; accelerate 3010: a sharded checkpoint's
+      .metadata is written by rank 0 only), and --resume would fail on the others. Refused,
+      naming the nodes.
+    - Locked (plumbing.checks.lock_output_dir, a file per rank): the main process first, then
+      the others, each outcome agreed: a second launch on the same folder stops on every process
+      together, even when only some of its ranks clash with the first run's (a launch of another
+      size), and of two launches started at once one runs. A lock file this process cannot open
+      (another user's) is one line too.
     Each node's first process logs which ranks and host it runs and where the main process is:
     with a c10d rendezvous rank 0 is not always on the host given (pytorch 150660)."""
     if accelerator.num_processes == 1:
@@ -185,16 +189,21 @@ def claim_output_dir(accelerator, path: str):
     other = next((seen for _, seen in views if seen), None)
     if other:
         raise InputError(other)
-    lock = error = None
-    try:
-        lock = lock_output_dir(path)
-    except InputError as e:
-        error = str(e)
-    errors = [e for e in gather_object([error]) if e]
-    if errors:
-        if lock is not None:
-            lock.close()
-        raise InputError(errors[0])
+    lock = None
+    for turn in ("main", "others"):  # the main process's lock decides which of two launches runs
+        error = None
+        if accelerator.is_main_process == (turn == "main"):
+            try:
+                lock = lock_output_dir(path)
+            except InputError as e:
+                error = str(e)
+            except OSError as e:
+                error = f"--output-dir {path}: cannot lock {e.filename or path} ({e.strerror or e})"
+        errors = [e for e in gather_object([error]) if e]
+        if errors:
+            if lock is not None:
+                lock.close()
+            raise InputError(errors[0])
     nodes = accelerator.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
     if nodes > 1 and first_on_node():
         node, per = node_of(accelerator.process_index), accelerator.num_processes // nodes

@@ -99,8 +99,9 @@ def launch_nodes(mode, nproc, argv, config_file, timeout, nnodes, node_local_dir
     with socket.socket() as s:  # a free port, known to every node before node 0 binds it
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    if node_local_dirs and argv:
+    if node_local_dirs and argv:  # (the script's own relative arguments resolve in D/node-K)
         argv = [os.path.abspath(argv[0]), *argv[1:]]
+    config_file = os.path.abspath(config_file)
     procs = []
     for k in range(nnodes):
         cwd = None
@@ -109,7 +110,7 @@ def launch_nodes(mode, nproc, argv, config_file, timeout, nnodes, node_local_dir
             os.makedirs(cwd, exist_ok=True)
         cmd = [sys.executable, os.path.abspath(__file__), "--nnodes", str(nnodes), "--node-rank", str(k),
                "--nproc", str(nproc), "--mode", mode, "--main-process-port", str(port), "--timeout", str(timeout)]
-        if config_file != DEFAULT_CONFIG:
+        if config_file != os.path.abspath(DEFAULT_CONFIG):
             cmd += ["--config-file", config_file]
         if audit:
             cmd += ["--audit-writes", os.path.abspath(audit)]
@@ -223,6 +224,8 @@ if __name__ == "__main__":
         ap.add_argument("--timeout", type=float, default=600)
         ap.add_argument("cmd", nargs=argparse.REMAINDER)
         a = ap.parse_args()
+        if a.node_rank is not None and not a.main_process_port:
+            ap.error("--node-rank needs --main-process-port (node 0's port: every node must use the same)")
         cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
         raise SystemExit(launch(a.mode, a.nproc, cmd, a.config_file, a.timeout, a.nnodes, a.node_rank,
                                 a.main_process_port, a.node_local_dirs, a.audit_writes))

@@ -1,12 +1,23 @@
-"""Run by test_multiprocess.py under tests/cpu_launch.py: train.py whose process 1 cannot write
-its part of a checkpoint (a full disk there). Everything else is train.py unchanged."""
+"""Run by test_multiprocess.py and test_multinode.py under tests/cpu_launch.py: train.py whose
+process 1 cannot write its part of a checkpoint (a full disk there), or with RLVER_TEST_FAULT=
+publish, whose main process cannot rename the finished checkpoint into place (its last step).
+Everything else is train.py unchanged."""
 import errno
 import os
 import sys
 
 from accelerate import Accelerator
 
-if os.environ.get("RANK") == "1":
+if os.environ.get("RLVER_TEST_FAULT") == "publish":
+    if os.environ.get("RANK") == "0":
+        replace = os.replace
+
+        def full_disk_on_publish(src, dst, *a, **kw):
+            if os.path.basename(str(dst)).startswith("step_"):
+                raise OSError(errno.EDQUOT, "Disk quota exceeded")
+            return replace(src, dst, *a, **kw)
+        os.replace = full_disk_on_publish
+elif os.environ.get("RANK") == "1":
     def full_disk(self, *a, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
     Accelerator.save_state = full_disk

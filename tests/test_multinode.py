@@ -23,13 +23,14 @@ from test_multiprocess import TINY, UNEVEN, final_weights, metric_steps
 LAUNCH = os.path.join(ROOT, "tests", "cpu_launch.py")
 
 
-def launch_nodes(mode, nproc, *argv, local_dirs=None, audit=None, timeout=300):
+def launch_nodes(mode, nproc, *argv, local_dirs=None, audit=None, timeout=300, env=None):
     cmd = [sys.executable, LAUNCH, "--nnodes", "2", "--nproc", str(nproc), "--mode", mode, "--timeout", str(timeout)]
     if local_dirs:
         cmd += ["--node-local-dirs", str(local_dirs)]
     if audit:
         cmd += ["--audit-writes", str(audit)]
-    p = subprocess.run([*cmd, "--", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout + 90)
+    p = subprocess.run([*cmd, "--", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout + 90,
+                       env={**os.environ, **(env or {})})
     return p.returncode, p.stdout + p.stderr
 
 
@@ -44,7 +45,7 @@ def writers(audit, out):
     for name in os.listdir(audit):
         for line in open(os.path.join(audit, name), encoding="utf-8"):
             e = json.loads(line)
-            if not e["path"].startswith(str(out)):
+            if not (e["path"] + os.sep).startswith(str(out) + os.sep):
                 continue
             if e["op"] == "mkdir":
                 if not e["existed"] and e["rank"] != 0:
@@ -102,7 +103,7 @@ def test_an_output_dir_on_each_nodes_own_disk_is_refused_at_start(tmp_path):
     node 0 alone held the checkpoints, and `--resume auto` ended node 1 in a traceback ("Tried to
     find runs/x/checkpoints/step_000002 but folder does not exist"). Now every node refuses at
     start in one line naming the node that does not see the main process's files, before any
-    model is loaded; nothing is left on either disk."""
+    model is loaded; no file is left on either disk (the marker removed)."""
     rc, log = launch_nodes("ddp", 2, "train.py", *TINY, "--steps", "2", "--output-dir", "runs/x",
                            local_dirs=tmp_path)
     lines = error_lines(log)
@@ -149,3 +150,28 @@ def test_a_failed_save_prints_each_nodes_own_resume_command(tmp_path):
                             "after the checkpoint are done again)") for l in mine), lines
     assert any("No space left on device" in l for l in lines), lines
     assert not os.path.exists(tmp_path / "checkpoints" / "step_000001")
+
+
+def test_a_checkpoint_the_main_process_cannot_publish_ends_every_node_in_one_line(tmp_path):
+    """The main process's rename of a finished checkpoint fails (a quota): on ff8b164 it alone
+    said so, and node 1 waited in the next collective (a gloo traceback here; on NCCL, the whole
+    process-group timeout). Every process learns the outcome; each node says it, with its own
+    command."""
+    rc, log = launch_nodes("ddp", 1, "tests/mp_save_fault.py", *TINY, "--steps", "2", "--save-every", "1",
+                           "--output-dir", str(tmp_path), timeout=200, env={"RLVER_TEST_FAULT": "publish"})
+    lines = error_lines(log)
+    assert rc == 1 and "Traceback" not in log, log[-3000:]
+    assert len(lines) == 2, lines
+    assert any("Disk quota exceeded" in l and "--node-rank 0" in l for l in lines), lines
+    assert any("the main process could not publish it" in l and "--node-rank 1" in l for l in lines), lines
+    assert not os.path.exists(tmp_path / "checkpoints" / "step_000001")
+
+
+def test_a_lock_file_one_rank_cannot_open_is_one_line_on_every_node(tmp_path):
+    """Rank 1's lock file cannot be opened (here a folder in its place; another user's file
+    would be EACCES): on ff8b164 rank 1 raised a traceback and rank 0 waited in a collective."""
+    (tmp_path / ".lock-1").mkdir()
+    rc, log = launch_nodes("ddp", 1, "train.py", *TINY, "--steps", "1", "--output-dir", str(tmp_path), timeout=120)
+    lines = error_lines(log)
+    assert rc == 2 and "Traceback" not in log, log[-3000:]
+    assert len(lines) == 2 and all("cannot lock" in l and ".lock-1" in l for l in lines), lines
