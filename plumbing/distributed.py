@@ -33,10 +33,10 @@ from accelerate import Accelerator
 from accelerate.utils import (DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs,
                                broadcast_object_list, gather_object)
 from torch.distributed.fsdp import MixedPrecisionPolicy, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from plumbing.checks import InputError, lock_output_dir, make_output_dir
+from plumbing.lora import engine_weights, trainable_only
 from plumbing.logs import reply_measures, rollout_stats, trackers
 from rollout import rollout
 from update import all_sum
@@ -67,6 +67,8 @@ def make_accelerator(cfg):
     accelerator = Accelerator(mixed_precision=mp, log_with=trackers(cfg), project_dir=cfg.output_dir,
                               step_scheduler_with_optimizer=False, kwargs_handlers=[pg], fsdp_plugin=fsdp_plugin)
     check_launch(accelerator)
+    if cfg.lora_rank:  # checkpoints hold the adapters and value head, not the frozen base
+        accelerator.register_save_state_pre_hook(trainable_only)
     if cfg.batch_size % accelerator.num_processes:
         raise InputError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes "
                          f"({accelerator.num_processes})")
@@ -250,16 +252,19 @@ def refresh_generation_copy(model, gen_copy):
     """Copy the current policy weights into the generation copy: one all-gather per sharded
     tensor (DTensor.full_tensor), streamed, so at most one full tensor is in flight. Each shard
     is cast to the copy's dtype before it is gathered (bf16 on a GPU: half the bytes of the fp32
-    master weights, the same values once copied; as VLLMEngine.push does)."""
-    dst = dict(gen_copy.named_parameters())
-    src = dict(model.named_parameters())
-    if src.keys() != dst.keys():
-        raise RuntimeError(f"generation copy does not match the policy: {sorted(src.keys() ^ dst.keys())[:4]}")
+    master weights, the same values once copied), a LoRA policy's adapted weights merged out of
+    place: the weights VLLMEngine.push sends (plumbing.lora.engine_weights)."""
+    dst = gen_copy.state_dict()
+    dtype = next(gen_copy.parameters()).dtype
+    seen = set()
     with torch.no_grad():
-        for name, p in src.items():
-            if isinstance(p, DTensor):  # a shard: gather the full tensor (one collective)
-                p = p.to(dst[name].dtype).full_tensor()
-            dst[name].copy_(p)
+        for name, tensor in engine_weights(model, dtype):
+            if name not in dst:
+                raise RuntimeError(f"generation copy does not match the policy: no {name}")
+            dst[name].copy_(tensor)
+            seen.add(name)
+    if seen != dst.keys():
+        raise RuntimeError(f"generation copy does not match the policy: {sorted(dst.keys() - seen)[:4]}")
 
 
 @contextlib.contextmanager

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from plumbing.lora import engine_weights
 
 
 @dataclass
@@ -157,15 +158,9 @@ class VLLMEngine:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
 
-        def weights():
-            for name, tensor in model.state_dict().items():
-                tensor = tensor.detach()
-                if tensor.is_floating_point():
-                    tensor = tensor.to(self.dtype)  # a DTensor casts shard by shard, no gather
-                if isinstance(tensor, DTensor):
-                    tensor = tensor.full_tensor()
-                yield name, tensor
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        # A LoRA policy's adapted weights arrive merged, W + (alpha / R) B A, computed out of
+        # place in fp32 (plumbing.lora.engine_weights): the trainer's W is never changed.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": engine_weights(model, self.dtype)})
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False

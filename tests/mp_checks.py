@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import tempfile
+from types import SimpleNamespace
 
 import torch
 
@@ -31,6 +32,7 @@ from ppo import PPOConfig, ValueModel, ppo_update  # noqa: E402
 import plumbing.distributed as train  # noqa: E402
 from plumbing.checkpoints import save_final  # noqa: E402
 from plumbing.distributed import pad_rows  # noqa: E402
+from plumbing.lora import add_adapter  # noqa: E402
 from plumbing.models import make_tiny_policy  # noqa: E402
 from rollout import RolloutConfig as GenConfig  # noqa: E402
 from rollout import collate, end_of_turn_id, generate_turn  # noqa: E402
@@ -67,20 +69,36 @@ def relative_l2(a: dict, b: dict) -> float:
     return float(num.sqrt() / sum((b[k].float() ** 2).sum() for k in b).sqrt())
 
 
-def fresh(algo):
+def fresh(algo, lora=False):
+    """The tiny policy (and PPO's critic); lora: each with a rank-4 adapter added before
+    prepare, as train.py does, its B random (nonzero: A gets a gradient too)."""
     torch.manual_seed(0)
     policy, tok = make_tiny_policy(seed=0)
     critic = None
     if algo == "ppo":
         critic = ValueModel.from_config(policy.config)
         torch.nn.init.normal_(critic.value_head.weight, std=0.5)  # nonzero: backbone gets gradient
+    if lora:
+        args = SimpleNamespace(lora_rank=4, lora_alpha=0.0, lora_target_modules="")
+        policy = add_adapter(policy, args, "tiny")
+        if critic is not None:
+            critic.backbone = add_adapter(critic.backbone, args, "tiny")
+        with torch.no_grad():
+            for model in (policy, critic):
+                for name, p in (model.named_parameters() if model is not None else []):
+                    if "lora_B" in name:
+                        p.normal_(std=0.05)
     return policy, tok, critic
+
+
+def trainable(model):
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def update(algo, agg, batch, policy, critic, accelerator):
     """One update with Capture optimizers -> (policy grads, critic grads or None)."""
-    opt = Capture(policy.named_parameters())
-    copt = Capture(critic.named_parameters()) if critic is not None else None
+    opt = Capture(trainable(policy))
+    copt = Capture(trainable(critic)) if critic is not None else None
     if accelerator is not None:
         accelerator = Accelerator()  # a fresh model list (the shared process state is kept)
         policy, opt = accelerator.prepare(policy, opt)
@@ -108,16 +126,19 @@ def main(out_path):
     splits = {"uneven": [[0, 1], [2, 3, 4, 5]], "padding": [[0, 1, 2, 3, 4, 5], []]}
     res = {"grad_rel_l2": {}}
     policy = None
-    for algo, agg in [("grpo", "token-mean"), ("grpo", "seq-mean-token-mean"), ("ppo", "token-mean")]:
+    cases = [("grpo", "token-mean", False), ("grpo", "seq-mean-token-mean", False), ("grpo", "token-mean", True),
+             ("ppo", "token-mean", True), ("ppo", "token-mean", False)]  # LoRA (issue 49): adapters only
+    for algo, agg, lora in cases:
         for split, parts in splits.items():
             mine = full.select(parts[rank]) if parts[rank] else collate([], tok.pad_token_id)
             mine = pad_rows(mine, max(len(p) for p in parts), tok.pad_token_id)  # as train.py does
-            p, _, c = fresh(algo)
+            p, _, c = fresh(algo, lora)
             g, cg, (policy, acc) = update(algo, agg, mine, p, c, accelerator)
             if rank == 0:
-                p1, _, c1 = fresh(algo)
+                p1, _, c1 = fresh(algo, lora)
                 g1, cg1, _ = update(algo, agg, full, p1, c1, None)
-                key = f"{algo}/{agg}/{split}"
+                assert not lora or all("lora_" in k or "value_head" in k for k in {**g1, **(cg1 or {})}), list(g1)[:3]
+                key = f"{algo}/{agg}/{split}" + ("/lora" if lora else "")
                 res["grad_rel_l2"][key] = relative_l2(g, g1)
                 if cg is not None:
                     res["grad_rel_l2"][key + "/critic"] = relative_l2(cg, cg1)

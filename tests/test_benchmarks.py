@@ -58,7 +58,7 @@ def test_bench_rollout_failure_exits_nonzero_and_prints_no_row(tmp_path):
 
 
 def test_bench_train_toy(tmp_path):
-    asked = ["ours-grpo", "ours-ppo", "trl-grpo"]
+    asked = ["ours-grpo", "ours-ppo", "ours-grpo-lora", "trl-grpo"]
     rc, _, log, res = bench(tmp_path, "bench_train.py", "--steps", "1", "--rounds", "1", "--prompts", "2",
                             "--group", "2", "--length", "4", "--only", *asked)
     assert rc == 0, log[-3000:]
@@ -71,6 +71,8 @@ def test_bench_train_toy(tmp_path):
         assert r["runs"] == 1 and r["step_s"] > 0 and r["tokens_per_step"] > 0 and r["params"] > 0, name
         if name.startswith("ours"):
             assert r["gen_s"] > 0 and r["update_s"] > 0, name
+    lora, full = res["results"]["ours-grpo-lora"], res["results"]["ours-grpo"]  # issue 49: only the adapter trains
+    assert 0 < lora["trained"] < full["trained"] == full["params"], (lora, full)
 
 
 def test_bench_fsdp_generate_toy(tmp_path):
@@ -88,11 +90,12 @@ def test_bench_gpu_toy_on_a_cpu(tmp_path):
     """The GPU script at toy size on a CPU: both engines (vLLM when installed), the push, the
     update; what cannot run here (sleep mode, an MFU without a GPU's peak) is a recorded skip."""
     rc, _, log, res = bench(tmp_path, "bench_gpu.py", "--device", "cpu", "--model-size", "tiny64", "--prompts", "4",
-                            "--tokens", "8")
+                            "--tokens", "8", "--lora-size", "tiny64", "--lora-rows", "4", "--lora-tokens", "16")
     assert rc == 0, log[-3000:]
     r = res["results"]
     assert res["failed"] == {} and r["hf"]["tokens"] == 32 and r["hf"]["seconds"] > 0
     assert r["update"]["tokens"] > 0 and r["update"]["seconds"] > 0 and r["update"]["mfu"] is None
+    assert r["lora"]["tokens"] == 64 and 0 < r["lora"]["trained"] < r["lora"]["params"]  # issue 49: step 4
     if vllm_here():
         assert r["vllm"]["tokens"] == 32 and r["vllm"]["seconds"] > 0 and r["vllm"]["push_s"] > 0
         assert "vllm sleep" in res["skipped"]

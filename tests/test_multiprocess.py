@@ -26,14 +26,15 @@ def launch(mode, *argv, timeout=300):
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_two_process_update_equals_one_process_update(mode, tmp_path):
     """The 2-process gradient is the 1-process gradient of the same rows (global token and
-    sequence counts, global PPO whitening), also when one process holds only padding rows; the
+    sequence counts, global PPO whitening), also when one process holds only padding rows, and
+    with LoRA adapters (issue 49: added before prepare, only they and the value head trained); the
     FSDP generation copy holds exactly the full weights and samples what one process samples;
     the final save loads with transformers and gives the in-memory model's logits."""
     out = tmp_path / "res.json"
     rc, log = launch(mode, "tests/mp_checks.py", str(out))
     assert rc == 0, log[-3000:]
     res = json.loads(out.read_text())
-    assert len(res["grad_rel_l2"]) == 8
+    assert len(res["grad_rel_l2"]) == 14 and sum(k.endswith("/lora") or "/lora/" in k for k in res["grad_rel_l2"]) == 6
     for case, d in res["grad_rel_l2"].items():
         assert d <= 1e-5, (case, d)
     assert res["copy_keys_match"] and res["copy_max_diff"] == 0.0
@@ -66,6 +67,8 @@ def metric_steps(d):
 @pytest.mark.parametrize("mode,algo,extra", [
     ("fsdp2", "grpo", ["--group-size", "2", "--per-turn-samples", *UNEVEN]),
     ("ddp", "ppo", ["--group-size", "1", *UNEVEN]),
+    ("ddp", "grpo", ["--group-size", "2", *UNEVEN, "--lora-rank", "4"]),  # issue 49: adapter-only checkpoints
+    ("fsdp2", "ppo", ["--group-size", "1", *UNEVEN, "--lora-rank", "4"]),
 ])
 def test_train_resume_equals_uninterrupted(mode, algo, extra, tmp_path):
     """train.py on 2 processes: a run resumed (--resume auto) from the step-2 checkpoint ends
@@ -126,11 +129,11 @@ def test_fsdp2_ppo_runs_with_sharded_generation(tmp_path):
     assert os.path.isfile(tmp_path / "checkpoints" / "step_000002" / "trainer_state.json")
 
 
-@pytest.mark.parametrize("precision", ["no", "bf16"])
-def test_fsdp1_is_refused_with_one_line(precision, tmp_path):
+@pytest.mark.parametrize("precision,extra", [("no", []), ("bf16", []), ("no", ["--lora-rank", "4"])])
+def test_fsdp1_is_refused_with_one_line(precision, extra, tmp_path):
     """Also under bf16 (a GPU's default): the fp32-reduce policy is FSDP2's, and given to FSDP1's
-    plugin it was a traceback before the one-line refusal."""
-    rc, log = launch("fsdp1", "train.py", *TINY, "--steps", "1", "--mixed-precision", precision,
+    plugin it was a traceback before the one-line refusal. Also with LoRA (issue 49)."""
+    rc, log = launch("fsdp1", "train.py", *TINY, "--steps", "1", "--mixed-precision", precision, *extra,
                      "--output-dir", str(tmp_path))
     assert rc == 2, log[-3000:]
     lines = [l for l in log.splitlines() if "train.py: error:" in l]

@@ -71,6 +71,14 @@ def test_unknown_flag_is_a_one_line_error(capsys):
     (["--initial-emotion", "500"], "--initial-emotion 500: must be in [0, 100]"),
     (["--model", "OFFLINE"], "not in the local Hugging Face cache"),
     (["--simulator", "hf"], "--simulator hf needs --simulator-model"),  # was a ValueError traceback
+    # issue 49: LoRA's flags
+    (["--lora-rank", "-1"], "--lora-rank -1: must be >= 0 (0: full fine-tuning)"),
+    (["--lora-alpha", "8"], "--lora-alpha needs --lora-rank > 0"),
+    (["--lora-target-modules", "q_proj"], "--lora-target-modules needs --lora-rank > 0"),
+    (["--lora-rank", "4", "--lora-target-modules", "q_proj,nope"],
+     "--lora-target-modules: nope matches no linear projection of tiny (its projections: down_proj, gate_proj, "
+     "k_proj, o_proj, q_proj, up_proj, v_proj; the embeddings and the LM head are not adapted)"),
+    (["--lora-rank", "4", "--lora-target-modules", "embed_tokens,lm_head"], "embed_tokens, lm_head matches no linear"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_fails_fast_with_one_line(flags, msg, tmp_path, capsys, monkeypatch):
     empty = tmp_path / "empty.jsonl"

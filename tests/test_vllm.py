@@ -373,3 +373,18 @@ def test_each_process_builds_its_engine_on_its_own_device(nodes, nproc, tmp_path
         assert r["rank"] == rank and r["local_rank"] == r["engine_local_rank"] == rank % nproc
         assert r["device_before"] == r["device_after"] and r["allreduce"] == 3.0 and r["tokens"] > 0
     assert seen[0]["generate_s"] < 3.0  # not after process 1's 6 s
+
+
+def test_a_lora_policy_reaches_the_engine_merged_and_samples_what_the_trainer_scores(model_dir, tmp_path):
+    """Issue 49: with --lora-rank the engine gets W + (alpha / R) B A (plumbing.lora.engine_weights)
+    before every rollout; over 3 steps of updates the sampler's log-probs stay as close to the
+    trainer's (which computes W x + (alpha / R) B A x, unmerged) as a full model's do."""
+    seen = {}
+    for name, extra in [("full", []), ("lora", ["--lora-rank", "4"])]:
+        out = str(tmp_path / name)
+        rc, log = run_train("--model", model_dir, *TRAIN, "--steps", "3", "--actor-lr", "1e-2", "--save-every", "3",
+                            *extra, "--output-dir", out)
+        assert rc == 0, log[-3000:]
+        seen[name] = [x["sampler_logprob_diff_max"] for x in rows(out)]
+    assert len(seen["lora"]) == 3 and all(d is not None for d in seen["lora"] + seen["full"])
+    assert max(seen["lora"]) <= max(10 * max(seen["full"]), 1e-5), seen

@@ -1,0 +1,165 @@
+"""LoRA (--lora-rank R, plumbing/lora.py), issue 49: the adapter starts as the base, the KL
+reference is the base, the engine gets W + (alpha / R) B A computed out of place (the trainer's
+base never changes), checkpoints hold the trainable tensors only and resume exactly, final/ is
+the merged model and final/adapter loads with its base."""
+import copy
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from logprobs import token_logprobs
+from plumbing.lora import ReferencePolicy, add_adapter, engine_weights, save_adapter
+from plumbing.models import load_policy, make_tiny_policy
+from train import main
+
+ARGS = SimpleNamespace(lora_rank=4, lora_alpha=0.0, lora_target_modules="")
+RUN = ["--batch-size", "4", "--max-new-tokens", "8", "--report-to", "none", "--save-every", "2", "--actor-lr", "1e-2"]
+
+
+def adapted(seed=0, std=0.05):
+    """The tiny policy with a rank-4 adapter whose B is random (as after some training)."""
+    policy, tok = make_tiny_policy(seed=seed, words=True)
+    torch.manual_seed(1)
+    policy = add_adapter(policy, ARGS, "tiny")
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=std)
+    return policy, tok
+
+
+def ids_and_mask(tok, n=3, T=24):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, len(tok) - 1, (n, T), generator=g)
+    return ids, torch.ones_like(ids)
+
+
+def test_the_adapter_starts_at_the_base_and_only_it_trains():
+    base, tok = make_tiny_policy(seed=0, words=True)
+    policy = add_adapter(copy.deepcopy(base), ARGS, "tiny")
+    ids, am = ids_and_mask(tok)
+    with torch.no_grad():
+        assert torch.equal(policy(input_ids=ids, attention_mask=am).logits, base(input_ids=ids, attention_mask=am).logits)
+    trained = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert trained and all("lora_A" in n or "lora_B" in n for n in trained)
+    # every linear projection of attention and MLP, never the embeddings or the (tied) head
+    assert sorted(policy.peft_config["default"].target_modules) == \
+        ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert policy.peft_config["default"].lora_alpha == 8 and policy.peft_config["default"].lora_dropout == 0.0
+
+
+def test_the_reference_is_the_base_with_the_adapter_off():
+    """ReferencePolicy's log-probs equal those of a separately loaded base model, exactly; the
+    adapted policy's differ."""
+    policy, tok = adapted()
+    base, _ = make_tiny_policy(seed=0, words=True)
+    ids, am = ids_and_mask(tok)
+    with torch.no_grad():
+        ref = token_logprobs(ReferencePolicy(policy, policy), ids, am)
+        separate = token_logprobs(base, ids, am)
+        mine = token_logprobs(policy, ids, am)
+    assert torch.equal(ref, separate)
+    assert (mine - separate).abs().max() > 1e-3
+    with torch.no_grad():  # the adapter is on again afterwards
+        assert torch.equal(token_logprobs(policy, ids, am), mine)
+
+
+def test_kl_to_the_base_is_zero_at_step_zero(tmp_path):
+    """--kl-coef > 0 with LoRA loads no second model; at step 0 the policy is the base: KL 0."""
+    rc = main(["--algo", "grpo", "--steps", "2", *RUN, "--lora-rank", "4", "--kl-coef", "0.1",
+               "--output-dir", str(tmp_path)])
+    assert rc == 0
+    rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7), rows[0]["kl"]
+    assert rows[1]["kl"] > 1e-6  # after an update, the policy has moved from the base
+
+
+def test_engine_weights_are_the_merged_weights_computed_apart():
+    """W + (alpha / R) B A, under the base model's names, against an independent computation in
+    float64 (PEFT's own merge_and_unload on a copy, in float64)."""
+    policy, _ = adapted()
+    merged = dict(engine_weights(policy, torch.float32))
+    ref = copy.deepcopy(policy).double().merge_and_unload().state_dict()
+    base, _ = make_tiny_policy(seed=0, words=True)
+    assert merged.keys() == base.state_dict().keys() == ref.keys()
+    for k in ref:
+        assert (merged[k].double() - ref[k]).abs().max() < 1e-6, k
+    changed = [k for k in ref if not torch.equal(merged[k], base.state_dict()[k])]
+    assert len(changed) == 7 * policy.config.num_hidden_layers  # the adapted projections, no more
+    assert merged["lm_head.weight"] is merged["model.embed_tokens.weight"]  # the tied head stays one tensor
+
+
+def test_a_hundred_pushes_in_bf16_leave_the_base_bit_identical():
+    """The trainer's base weights never change (merging in place and unmerging in bf16 drifts,
+    TRL issue 6688): after 100 merges the base is bit-identical; PEFT's merge/unmerge in place,
+    100 times on a copy, is not (what this test would catch)."""
+    policy, _ = adapted()
+    policy = policy.to(torch.bfloat16)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    for _ in range(100):
+        for _name, tensor in engine_weights(policy, torch.bfloat16):
+            pass
+    after = policy.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    in_place = copy.deepcopy(policy)
+    for _ in range(100):
+        in_place.merge_adapter()
+        in_place.unmerge_adapter()
+    drift = max(float((before[k].float() - v.float()).abs().max()) for k, v in in_place.state_dict().items())
+    assert drift > 0, drift
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_lora_checkpoints_hold_the_adapter_and_resume_exactly(algo, tmp_path):
+    """Checkpoints hold the adapter (and PPO's value head and critic adapter) and the optimizer
+    states, not the frozen base; 2 steps + resume to 4 == 4 steps; final/ is the merged model,
+    loadable by transformers, and final/adapter loads with its base to the same weights."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    base = ["--algo", algo, "--steps", "4", *RUN, "--lora-rank", "4"]
+    assert main([*base, "--output-dir", str(full)]) == 0
+    models = [load_file(full / "checkpoints" / "step_000002" / name) for name in
+              (["model.safetensors"] + (["model_1.safetensors"] if algo == "ppo" else []))]
+    for state in models:
+        assert state and all("lora_" in k or "value_head" in k for k in state), list(state)[:5]
+    if algo == "ppo":
+        assert any("value_head" in k for k in models[1])
+    os.makedirs(cut / "checkpoints")
+    import shutil
+    shutil.copytree(full / "checkpoints" / "step_000002", cut / "checkpoints" / "step_000002")
+    assert main([*base, "--output-dir", str(cut), "--resume", "auto"]) == 0
+    a, b = load_file(full / "final" / "model.safetensors"), load_file(cut / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    from transformers import AutoModelForCausalLM
+    final = AutoModelForCausalLM.from_pretrained(full / "final")
+    adapter_config = json.load(open(full / "final" / "adapter" / "adapter_config.json"))
+    assert adapter_config["base_model_name_or_path"] == "tiny" and adapter_config["r"] == 4
+    from_adapter, _ = load_policy(str(full / "final" / "adapter"))
+    fa = from_adapter.state_dict()
+    for k, v in final.state_dict().items():
+        assert torch.equal(v, fa[k]), k
+    # a checkpoint of another rank is refused in one line, before any model is loaded
+    assert main([*base, "--lora-rank", "8", "--output-dir", str(tmp_path / "other"),
+                 "--resume", str(full / "checkpoints" / "step_000002")]) == 2
+    untrained, tok = make_tiny_policy(seed=0, words=True)
+    assert any(not torch.equal(v, untrained.state_dict()[k]) for k, v in final.state_dict().items())
+
+
+def test_evaluate_takes_an_adapter_folder(tmp_path):
+    """evaluate.py --model DIR/final/adapter: its base with the adapter merged (the same weights
+    as final/), checked like any model folder (its base named in adapter_config.json)."""
+    from plumbing.checks import InputError, check_model_arg
+    policy, tok = adapted()
+    folder = tmp_path / "adapter"
+    save_adapter(policy, policy.state_dict(), str(folder))
+    check_model_arg("--model", str(folder))
+    loaded, _ = load_policy(str(folder))
+    merged = dict(engine_weights(policy, torch.float32))
+    assert all(torch.equal(v, merged[k]) for k, v in loaded.state_dict().items())
+    cfg = json.load(open(folder / "adapter_config.json"))
+    json.dump({**cfg, "base_model_name_or_path": str(tmp_path / "nowhere")}, open(folder / "adapter_config.json", "w"))
+    with pytest.raises(InputError, match="its base"):
+        check_model_arg("--model", str(folder))
