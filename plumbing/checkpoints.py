@@ -188,12 +188,20 @@ def save_checkpoint(accelerator, cfg, step):
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     except SaveError as e:
         outcome = e
-    # The rename is the main process's alone: every process learns whether it was done.
+    agree(accelerator, outcome, f"could not write {path}: the main process could not publish it")
+
+
+def agree(accelerator, outcome, elsewhere: str):
+    """After a save whose last step is the main process's alone (a checkpoint's rename, final/):
+    every process learns whether it was done (one collective), and raises if not. `outcome`:
+    this process's SaveError or None; `elsewhere`: what the others say. A main process that
+    raised alone would leave the others waiting in the next collective (on NCCL, for the whole
+    timeout), and their nodes would not say why."""
     failed = all_sum(torch.tensor(float(outcome is not None), device=accelerator.device), accelerator).item()
     if outcome is not None:
         raise outcome
     if failed:
-        error = SaveError(f"could not write {path}: the main process could not publish it")
+        error = SaveError(elsewhere)
         error.elsewhere = True
         raise error
 
@@ -226,6 +234,7 @@ def save_final(accelerator, policy, tok, path, dtype=None):
             if accelerator.is_main_process:
                 merged[name] = tensor.cpu()
         state, model = merged, model.get_base_model()  # cast already
+    outcome = None
     if accelerator.is_main_process:
         if dtype is not None and adapter is None:
             cast = {}  # by storage: tied tensors (an embedding shared with the LM head) cast once, stay one
@@ -234,20 +243,28 @@ def save_final(accelerator, policy, tok, path, dtype=None):
                     if v.data_ptr() not in cast:
                         cast[v.data_ptr()] = v.to(dtype)
                     state[k] = cast[v.data_ptr()]
-        with written_atomically(path) as tmp:  # a crash mid-save leaves the old final/ or none
-            model.save_pretrained(tmp, state_dict=state)
-            tok.save_pretrained(tmp)
-            if adapter is not None:
-                save_adapter(accelerator.unwrap_model(policy), adapter, os.path.join(tmp, "adapter"))
-            if dtype is not None:  # save_pretrained writes the parameters' dtype (fp32) into config.json
-                config_file = os.path.join(tmp, "config.json")
-                with open(config_file, encoding="utf-8") as f:
-                    config = json.load(f)
-                config["dtype"] = str(dtype).removeprefix("torch.")
-                with open(config_file, "w", encoding="utf-8") as f:
-                    json.dump(config, f, indent=2, sort_keys=True)
-                    f.write("\n")
-    accelerator.wait_for_everyone()
+        try:
+            _write_final(accelerator, policy, model, tok, state, path, dtype, adapter)
+        except SaveError as e:
+            outcome = e
+    agree(accelerator, outcome, f"could not write {path}: the main process could not write it")
+
+
+def _write_final(accelerator, policy, model, tok, state, path, dtype, adapter):
+    """The main process's part of save_final: the folder, written whole or not at all."""
+    with written_atomically(path) as tmp:  # a crash mid-save leaves the old final/ or none
+        model.save_pretrained(tmp, state_dict=state)
+        tok.save_pretrained(tmp)
+        if adapter is not None:
+            save_adapter(accelerator.unwrap_model(policy), adapter, os.path.join(tmp, "adapter"))
+        if dtype is not None:  # save_pretrained writes the parameters' dtype (fp32) into config.json
+            config_file = os.path.join(tmp, "config.json")
+            with open(config_file, encoding="utf-8") as f:
+                config = json.load(f)
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            with open(config_file, "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=2, sort_keys=True)
+                f.write("\n")
 
 
 def checkpoint_state(path: str) -> dict:

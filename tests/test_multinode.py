@@ -175,3 +175,17 @@ def test_a_lock_file_one_rank_cannot_open_is_one_line_on_every_node(tmp_path):
     lines = error_lines(log)
     assert rc == 2 and "Traceback" not in log, log[-3000:]
     assert len(lines) == 2 and all("cannot lock" in l and ".lock-1" in l for l in lines), lines
+
+
+def test_a_final_model_the_main_process_cannot_write_ends_every_node_in_one_line(tmp_path):
+    """The same for final/ (plumbing.checkpoints.save_final, written by the main process alone):
+    on 5656ea2 node 1 waited in a collective while node 0 said why."""
+    rc, log = launch_nodes("ddp", 1, "tests/mp_save_fault.py", *TINY, "--steps", "1", "--output-dir", str(tmp_path),
+                           timeout=200, env={"RLVER_TEST_FAULT": "final"})
+    lines = error_lines(log)
+    assert rc == 1 and "Traceback" not in log, log[-3000:]
+    assert len(lines) == 2, lines
+    assert any("Disk quota exceeded" in l and "--node-rank 0" in l for l in lines), lines
+    assert any("the main process could not write it" in l and "--node-rank 1" in l for l in lines), lines
+    assert all("step_000001 (after step 1)" in l for l in lines), lines
+    assert not os.path.exists(tmp_path / "final")
