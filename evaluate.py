@@ -730,7 +730,7 @@ def main(argv=None):
             if hasattr(backend, "check"):
                 backend.check()
             for m in args.model:
-                check_model_arg("--model", m)
+                check_model_arg("--model", m, adapters=True)
                 problem = engine_problem(args, m, torch.cuda.is_available())
                 if problem:
                     raise InputError(problem)

@@ -186,7 +186,8 @@ def lora_step(args, tok, sync) -> dict:
         torch.cuda.reset_peak_memory_stats()
     sync()
     t = time.perf_counter()
-    grpo_update(model, opt, batch, GRPOConfig(minibatch_size=max(1, len(rows) // 4), group_size=4, micro_batch_size=2))
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):  # as accelerate's bf16 runs train.py
+        grpo_update(model, opt, batch, GRPOConfig(minibatch_size=max(1, len(rows) // 4), group_size=4, micro_batch_size=2))
     sync()
     return {"size": args.lora_size, "tokens": int(batch.attention_mask.sum()), "seconds": time.perf_counter() - t,
             "params": sum(p.numel() for p in model.parameters()), "trained": sum(p.numel() for p in trained),

@@ -134,12 +134,12 @@ def worker(args):
     model.to(args.device, dtype=torch.bfloat16 if cuda else torch.float32)
     if args.worker.startswith("lp-"):
         return logprob_worker(args, model)
-    torch.manual_seed(0)  # the same sampling in every configuration of ours
     if args.worker == "ours-grpo-lora":
         from types import SimpleNamespace
         from plumbing.lora import add_adapter
         model = add_adapter(model, SimpleNamespace(lora_rank=args.lora_rank, lora_alpha=0.0, lora_target_modules=""),
                             args.model_size)
+    torch.manual_seed(0)  # the same sampling in every configuration of ours (the adapter's init drew before)
     n_params = sum(p.numel() for p in model.parameters())
     B = args.prompts * args.group
     times, gen_times, upd_times, tokens = [], [], [], []

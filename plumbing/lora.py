@@ -54,7 +54,7 @@ def lora_problem(cfg) -> str | None:
         given = "--lora-alpha" if cfg.lora_alpha else "--lora-target-modules"
         return f"{given} needs --lora-rank > 0 (--lora-rank 0 trains every weight)"
     if cfg.lora_alpha < 0:
-        return f"--lora-alpha {cfg.lora_alpha}: must be > 0 (0: 2 x rank)"
+        return f"--lora-alpha {cfg.lora_alpha}: must be >= 0 (0: 2 x rank)"
     return None
 
 
@@ -77,14 +77,18 @@ def add_adapter(model, cfg, base_name: str):
 
     from plumbing.checks import InputError
     linear = linear_targets(model)
+    if not linear:  # e.g. GPT-2's Conv1D projections
+        raise InputError(f"--lora-rank: {base_name} has no linear projection (nn.Linear) to adapt")
     targets = [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()] or linear
     wrong = [t for t in targets if t not in linear]
     if wrong:
         raise InputError(f"--lora-target-modules: {', '.join(wrong)} matches no linear projection of {base_name} "
                          f"(its projections: {', '.join(linear)}; the embeddings and the LM head are not adapted)")
     config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank, target_modules=targets,
-                        lora_dropout=0.0, bias="none")
+                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM" if model.get_output_embeddings() else None)
     peft = get_peft_model(model, config)
+    if os.path.isdir(os.path.expanduser(base_name)):  # a folder: named so that it loads from anywhere
+        base_name = os.path.abspath(os.path.expanduser(base_name))
     peft.peft_config[ADAPTER].base_model_name_or_path = base_name  # PEFT reads it off the config: empty for ours
     return peft
 
@@ -93,14 +97,24 @@ class ReferencePolicy:
     """The KL reference under LoRA: the policy (as prepared: DDP, FSDP2 or plain) run with its
     adapter disabled, i.e. the frozen base, exactly (a LoRA layer without its adapter computes
     base_layer(x) alone). logprobs.token_logprobs reads the LM head from `.module` and calls
-    this object like the model."""
+    this object like the model. Each LoRA layer's switch is set directly: PEFT's
+    disable_adapter() also sets the adapter's requires_grad to False for the call, and FSDP2
+    fixes each group's gradient dtypes at its first forward from requires_grad (this pass can be
+    the first: the reduce would then be in bf16, and the update fail)."""
 
     def __init__(self, policy, peft_model):
+        from peft.tuners.lora import LoraLayer
         self.policy, self.module = policy, peft_model
+        self.layers = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
 
     def __call__(self, *args, **kwargs):
-        with self.module.disable_adapter():
+        for layer in self.layers:
+            layer._disable_adapters = True
+        try:
             return self.policy(*args, **kwargs)
+        finally:
+            for layer in self.layers:
+                layer._disable_adapters = False
 
     def parameters(self):
         return self.policy.parameters()

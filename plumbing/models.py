@@ -335,7 +335,7 @@ def load_models(cfg, dtype, train_dtype=None):
         ref.requires_grad_(False).eval()
     if cfg.lora_rank:
         with torch.random.fork_rng(devices=[]):  # the same adapter on every process; the run's RNG untouched
-            torch.manual_seed(cfg.seed)
+            torch.random.default_generator.manual_seed(cfg.seed)  # (the CPU's: the adapter is made there)
             policy = add_adapter(policy, cfg, cfg.model)
             if critic is not None:
                 critic.backbone = add_adapter(critic.backbone, cfg, cfg.critic_model or cfg.model)

@@ -979,7 +979,7 @@ def test_a_hub_model_downloaded_by_the_first_run_continues_on_rerun(tmp_path, ca
     from plumbing import models
     hub = tmp_path / "hub"
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
-    monkeypatch.setattr(evaluate, "check_model_arg", lambda flag, value: None)  # no network here
+    monkeypatch.setattr(evaluate, "check_model_arg", lambda flag, value, adapters=False: None)  # no network here
     loads = []
 
     def load_for_eval(model, seed):  # the first load downloads the snapshot

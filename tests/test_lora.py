@@ -155,11 +155,62 @@ def test_evaluate_takes_an_adapter_folder(tmp_path):
     policy, tok = adapted()
     folder = tmp_path / "adapter"
     save_adapter(policy, policy.state_dict(), str(folder))
-    check_model_arg("--model", str(folder))
+    check_model_arg("--model", str(folder), adapters=True)
     loaded, _ = load_policy(str(folder))
     merged = dict(engine_weights(policy, torch.float32))
     assert all(torch.equal(v, merged[k]) for k, v in loaded.state_dict().items())
     cfg = json.load(open(folder / "adapter_config.json"))
     json.dump({**cfg, "base_model_name_or_path": str(tmp_path / "nowhere")}, open(folder / "adapter_config.json", "w"))
     with pytest.raises(InputError, match="its base"):
-        check_model_arg("--model", str(folder))
+        check_model_arg("--model", str(folder), adapters=True)
+
+
+def test_the_reference_pass_leaves_the_adapters_trainable():
+    """PEFT's disable_adapter() sets the adapter's requires_grad to False for the call; FSDP2
+    fixes each group's gradient dtypes from requires_grad at its first forward, which the
+    reference pass can be (bf16 reduce, then a failed update: the review of 923f490). The
+    reference switches the layers off without touching requires_grad."""
+    policy, tok = adapted()
+    seen = []
+    layer = next(m for n, m in policy.named_modules() if n.endswith("q_proj"))
+    layer.register_forward_pre_hook(lambda m, a: seen.append(all(p.requires_grad for n, p in m.named_parameters()
+                                                                  if "lora_" in n)))
+    ids, am = ids_and_mask(tok)
+    with torch.no_grad():
+        token_logprobs(ReferencePolicy(policy, policy), ids, am)
+    assert seen and all(seen)
+
+
+def test_a_lora_resume_that_would_restore_nothing_is_refused(tmp_path):
+    """strict=False (the checkpoint lacks the frozen base) hid a checkpoint whose tensors match
+    none of this run's (saved under DDP, module.*, resumed on one process; other target modules):
+    the adapter stayed fresh while the optimizer's moments were restored. Now one line. A changed
+    alpha (as applied) or target list is refused before loading; the same alpha spelled 0 is not."""
+    from safetensors.torch import save_file
+    base = ["--algo", "grpo", "--steps", "2", *RUN, "--lora-rank", "4"]
+    assert main([*base, "--output-dir", str(tmp_path / "run")]) == 0
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    assert main([*base, "--steps", "3", "--lora-alpha", "8", "--output-dir", str(tmp_path / "same"),
+                 "--resume", str(ckpt)]) == 0  # 8 = 2 x 4: what 0 applied
+    for flags, msg in ((["--lora-alpha", "16"], "--lora-alpha 8 (as applied), this run has --lora-alpha 16"),
+                       (["--lora-target-modules", "q_proj"], "--lora-target-modules empty (as applied)")):
+        assert main([*base, "--steps", "3", *flags, "--output-dir", str(tmp_path / "x"), "--resume", str(ckpt)]) == 2
+    state = load_file(ckpt / "model.safetensors")
+    save_file({f"module.{k}": v for k, v in state.items()}, ckpt / "model.safetensors")  # as DDP saves it
+    assert main([*base, "--steps", "3", "--output-dir", str(tmp_path / "ddp"), "--resume", str(ckpt)]) == 2
+
+
+def test_train_refuses_an_adapter_folder_and_a_model_with_nothing_to_adapt(tmp_path, capsys):
+    """train.py --model DIR/final/adapter: the critic and reference loaders cannot read it (a
+    traceback under PPO); one line names the merged final/ instead. A model whose projections
+    are not nn.Linear (GPT-2's Conv1D): one line, not PEFT's traceback."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from plumbing.checks import InputError
+    policy, _ = adapted()
+    save_adapter(policy, policy.state_dict(), str(tmp_path / "adapter"))
+    assert main(["--model", str(tmp_path / "adapter"), "--output-dir", str(tmp_path / "out"), "--report-to", "none"]) == 2
+    assert "a LoRA adapter folder; train from its merged model" in capsys.readouterr().err
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(InputError, match="no linear projection"):
+        add_adapter(gpt2, ARGS, "gpt2")
