@@ -266,17 +266,26 @@ def reply_stats(records: list[dict], goal_types: dict | None = None) -> dict:
     """What the agent's spoken replies look like, to tell empathy from gaming the offline rule
     user (plumbing.logs.reply_measures: words, sentences, questions, repeats and the rule user's
     features), the mean over the replies of the scored dialogues; `goal_types`: each scenario
-    id's goal type, for the rule user's goal feature."""
+    id's goal type, for the rule user's goal feature and goal_fit, which is also given per goal
+    type (goal_fit[venting], ...: the share of that type's replies that serve it and clash with
+    nothing, rule_user.GOAL_CLASHES)."""
     ok = [r for r in records if r.get("valid", True) and r.get("outcome") != "simulator_error"]
-    return reply_means([m for r in ok for m in reply_measures(r.get("history", []),
-                                                                (goal_types or {}).get(r.get("scenario_id"), ""))])
+    by_type = {}
+    for r in ok:
+        goal = (goal_types or {}).get(r.get("scenario_id"), "")
+        by_type.setdefault(goal, []).extend(reply_measures(r.get("history", []), goal))
+    stats = reply_means([m for ms in by_type.values() for m in ms])
+    for goal in sorted(g for g in by_type if g):
+        stats[f"goal_fit[{goal}]"] = mean([m["goal_fit"] for m in by_type[goal]])
+    return stats
 
 
 def format_reply_stats(stats: dict[str, dict]) -> str:
     names = [n for n, s in stats.items() if s]
     keys = list(stats[names[0]]) if names else []
-    return render_table(["reply statistic"] + names, [[k] + [f"{stats[n][k]:.3f}" if isinstance(stats[n][k], float)
-                                                           else str(stats[n][k]) for n in names] for k in keys])
+    def cell(value):
+        return f"{value:.3f}" if isinstance(value, float) else "-" if value is None else str(value)
+    return render_table(["reply statistic"] + names, [[k] + [cell(stats[n].get(k)) for n in names] for k in keys])
 
 
 # The capability columns (judge.py), shown when any model was judged.

@@ -5,10 +5,11 @@ no LLM, `RuleBackend` plays the same part by rules a reader can check: it grades
 interpretable features, each in [0, 1] (readable text, a fitting length, acknowledging the
 feeling, reflecting the user's own words, an open question, words that serve the hidden goal;
 and, against, repeating itself, echoing its earlier replies, dismissing the user, a stack of
-questions, the user's own words said back, a reply that ends no sentence), sums them
+questions, the user's own words said back, a reply that ends no sentence, words that serve a
+goal that fails this person, GOAL_CLASHES), sums them
 with fixed weights into a change of emotion (the care features paid only for the share of the
 reply's content words that the agent's earlier replies have not said), and answers with a
-templated line at the new emotion level, sometimes with a hint at its hidden goal. Deterministic given (seed, scenario,
+templated line at the new emotion level, at levels 2-4 with a hint at its hidden goal. Deterministic given (seed, scenario,
 turn, reply). `simulator.Simulator` drives it exactly as it drives an LLM user: it asks
 `appraise(state, reply) -> (change, reasoning)`, `respond(state, final)` and `opening(scenario)`
 instead of sending prompts.
@@ -28,7 +29,8 @@ import math
 import random
 import re
 
-from simulator import Scenario, UserState
+from plumbing.rule_words import BYE, FEATURE_WORDS, GOAL_HINTS, GOAL_WORDS, OPENING, REPLIES
+from simulator import CHITCHAT_GOALS, Scenario, UserState
 
 def emotion_level(emotion: int) -> int:
     """The offline rule user's five reply levels: 1 (very low, < 20) .. 5 (very high, >= 80)."""
@@ -58,58 +60,22 @@ def content_words(text: str) -> set[str]:
     return {w for w in word_list(text) if len(w) >= 4 or not w.isascii()}  # not ASCII: a CJK character
 
 
-_FEATURE_WORDS = {
-    "acknowledge": ["sounds", "feel", "understand", "must be", "hard", "tough", "frustrat",
-                    "hurt", "sorry", "makes sense", "of course", "感受", "理解", "难受", "辛苦", "委屈"],
-    "open_question": ["what ", "how ", "why ", "tell me", "would you", "什么", "怎么", "为什么", "吗"],
-    "dismissive": ["get over it", "stop whining", "whatever", "calm down", "not a big deal", "your own fault",
-                   "overreacting", "别想了", "想开点", "至于吗", "你想多了"],
+# Goal types whose person a reply serving another goal type fails, each with why (SAGE's user prompt:
+# a reply that misses what the person needs makes it worse). Docked: `clash`, RuleBackend.features.
+GOAL_CLASHES = {
+    "venting": {"advice": "came to let it out, not to be fixed",
+                "analyze_others": "wants to be heard, not told the others' side",
+                "self_reflection": "wants to be heard, not asked what was on them"},
+    "empathy": {"advice": "wants the feeling shared, not a plan",
+                "dialectical": "wants the feeling shared, not weighed"},
+    "validation": {"analyze_others": "explaining the others takes their side against the person",
+                   "self_reflection": "asking what was on them says they were wrong",
+                   "dialectical": "'another side' says they were not simply right"},
+    "praise": {"self_reflection": "asking what went wrong belittles the effort",
+               "advice": "a plan for next time says the effort fell short"},
+    "advice": {"venting": "asked what to do and was told to keep talking"},
+    "self_reflection": {"validation": "'not your fault' closes the question they asked"},
 }
-_GOAL_WORDS = {
-    "advice": ["try", "could", "suggest", "step", "plan", "maybe you", "might", "建议", "试试", "可以"],
-    "analyze_others": ["maybe he", "maybe she", "perhaps they", "because", "from their", "reason",
-                       "他可能", "她可能", "原因", "因为"],
-    "dialectical": ["on one hand", "on the other", "both", "but also", "another side", "一方面",
-                    "另一方面", "同时"],
-    "self_reflection": ["what do you think you", "learn", "grow", "looking back", "your part",
-                        "反思", "成长", "回头看"],
-    "empathy": ["feel", "hurt", "alone", "heavy", "i hear", "so painful", "感受", "心疼", "孤独"],
-    "venting": ["i'm here", "go on", "tell me more", "listening", "let it out", "我在", "继续说", "听你"],
-    "praise": ["well done", "proud", "you did", "brave", "impressive", "good job", "了不起", "做得好", "勇敢"],
-    "validation": ["not your fault", "you were right", "anyone would", "fair", "justified",
-                   "不是你的错", "你没错", "换谁都"],
-}
-_REPLIES = {
-    "en": {1: ["Forget it. I'm done talking.", "You're not listening at all.", "Whatever. This is useless."],
-           2: ["I don't know... it still feels bad.", "That doesn't really help.", "Hm. I'm still upset."],
-           3: ["Maybe. It's complicated.", "I guess. I keep thinking about it.", "Okay... go on."],
-           4: ["Yeah, that actually makes sense.", "Thanks, I feel a bit lighter.", "That helps, honestly."],
-           5: ["You really get it. Thank you.", "I feel so much better now.", "That's exactly what I needed."]},
-    "zh": {1: ["算了，不想说了。", "你根本没在听。", "随便吧，没用。"],
-           2: ["不知道……还是很难受。", "这也没什么帮助。", "嗯，我还是很烦。"],
-           3: ["也许吧，挺复杂的。", "大概吧，我一直在想这件事。", "好吧……你接着说。"],
-           4: ["嗯，这样说挺有道理的。", "谢谢，我轻松了一点。", "说实话，这有帮助。"],
-           5: ["你真的懂我，谢谢。", "我感觉好多了。", "这正是我需要的。"]},
-}
-_GOAL_WORDS.update({  # chit-chat intentions (CHITCHAT_GOALS)
-    "interest_chat": ["love", "favorite", "favourite", "cool", "which", "tell me more", "me too", "喜欢", "也"],
-    "passive_chat": ["what about", "have you", "did you", "guess what", "i've been", "最近", "你呢"],
-    "sharing_chat": ["wow", "amazing", "what happened", "then what", "congrat", "how did", "哇", "然后呢"],
-    "opinion_chat": ["i think", "i disagree", "but", "why do you", "fair point", "我觉得", "不过"],
-})
-_GOAL_HINTS = {
-    "en": {"advice": "What would you actually do?", "analyze_others": "Why would they do that?",
-           "dialectical": "Am I missing another side?", "self_reflection": "Was any of it on me?",
-           "empathy": "Do you get how it feels?", "venting": "I just need to say it.",
-           "praise": "I really tried, you know.", "validation": "I wasn't wrong, was I?", "": ""},
-    "zh": {"advice": "换作你会怎么做？", "analyze_others": "他们为什么会那样？",
-           "dialectical": "我是不是没看到另一面？", "self_reflection": "这里面有我的问题吗？",
-           "empathy": "你能体会那种感觉吗？", "venting": "我就是想说出来。",
-           "praise": "我真的很努力了。", "validation": "我没错吧？", "": ""},
-}
-_OPENING = {"en": "Can I talk to you?", "zh": "能和你聊聊吗？"}  # + the background's first sentence
-_BYE = {"en": {True: "Thank you, really. I think I'm okay now. Bye!", False: "I'm leaving. Bye."},
-        "zh": {True: "真的谢谢你，我觉得好多了，再见！", False: "我走了，再见。"}}
 
 
 # A reply ends a sentence when its last mark ends one (a closing quote or bracket may follow).
@@ -143,6 +109,27 @@ def _copied_run(words: list[str], source: list[str]) -> float:
     return best
 
 
+def _hits(low: str, cues) -> int:
+    """How many of `cues` stand in the lower-cased text; an English cue only at a word's start
+    ("try" is not in "country")."""
+    return sum(bool(re.search(r"(?<![a-z'])" + re.escape(k), low)) if k.isascii() else k in low for k in cues)
+
+
+def goal_words(reply: str, goal_type: str) -> tuple[int, int, int]:
+    """-> (own, stray, clash): the cues of the user's goal type in the reply, those of the other
+    goal types of its family (the eight of GOAL_CLASHES' kind, or the chit-chat intentions), and
+    those of the goal types that clash with the user's (GOAL_CLASHES). A cue on both lists counts
+    as the user's own; naming the feeling ("feel", "hurt": `acknowledge`) is no other goal."""
+    own_cues = GOAL_WORDS.get(goal_type, [])
+    if not own_cues:
+        return 0, 0, 0
+    low = reply.lower()
+    family = [t for t in GOAL_WORDS if (t in CHITCHAT_GOALS) == (goal_type in CHITCHAT_GOALS) and t != goal_type]
+    general = set(own_cues) | set(FEATURE_WORDS["acknowledge"])
+    others = {t: _hits(low, [k for k in GOAL_WORDS[t] if k not in general]) for t in family}
+    return _hits(low, own_cues), sum(others.values()), sum(others[t] for t in GOAL_CLASHES.get(goal_type, {}))
+
+
 def _readable_char(c: str) -> bool:
     """An ASCII letter, space or common punctuation mark, or a CJK character."""
     if c.isascii():
@@ -161,7 +148,7 @@ class RuleBackend:
     parallel = False
     WEIGHTS = {"readable": 3.0, "length_ok": 1.0, "acknowledge": 2.0, "reflect": 1.5,
                "open_question": 1.5, "goal": 3.0, "repetition": -4.0, "echo": -3.0, "dismissive": -6.0,
-               "stacked": -2.0, "parrot": -3.0, "unfinished": -2.0}
+               "stacked": -2.0, "parrot": -3.0, "unfinished": -2.0, "clash": -3.0}
     CARE = ("acknowledge", "reflect", "open_question", "goal")  # paid only for the new share (appraise)
     BASELINE = -3.0  # the user is in a bad place: an empty or useless reply makes things worse
     # The challenging user (USERS): only goal-directed replies help (goal weighs most), generic
@@ -171,7 +158,7 @@ class RuleBackend:
     WEIGHTS_CHALLENGING = {"readable": 2.0, "length_ok": 0.5, "acknowledge": 0.5, "reflect": 1.0,
                            "open_question": 0.5, "goal": 5.0, "repetition": -8.0, "echo": -5.0,
                            "dismissive": -10.0, "stacked": -3.0, "parrot": -5.0, "unfinished": -3.0,
-                           "garbled": -6.0}
+                           "garbled": -6.0, "clash": -5.0}
     BASELINE_CHALLENGING = -4.0
 
     def __init__(self, seed: int = 0):
@@ -199,7 +186,15 @@ class RuleBackend:
         content words, which a reply that understood them does in a sentence of its own, not
         by copying "I'm still upset, ..." back at the user.
         `unfinished` is 1 for a reply that does not end a sentence: cut off by the token cap
-        mid-sentence, it reads as broken, and a longer reply must not earn more by running on."""
+        mid-sentence, it reads as broken, and a longer reply must not earn more by running on.
+
+        What the person needs (issue 50): `goal` grades the cues of the user's goal type (two: 1)
+        times their share of all the goal cues of its family (goal_words): a reply that strings
+        advice, praise, validation and "tell me more" together earns a fraction of it for any
+        goal, not all of it. `clash` grades the cues of a goal type that fails this user
+        (GOAL_CLASHES: advice to someone who came to vent, ...; one cue 0.5, two 1). And a reply
+        with no content word ("Go on. How so?") is said again in its words: `echo` then counts
+        all its words, which a second "Go on. How so?" has all said before."""
         low = reply.lower()
         words = word_list(reply)
         n = len(reply) or 1
@@ -213,14 +208,17 @@ class RuleBackend:
         open_question = 0.0
         if "?" in reply or "？" in reply:
             open_question = 0.5  # a question; an open one ("how", "what", ...) counts fully
-            if any(k in low for k in _FEATURE_WORDS["open_question"]):
+            if any(k in low for k in FEATURE_WORDS["open_question"]):
                 open_question = 1.0
         repetition = 0.0
         if len(content) >= 4:
             repetition = 1 - len(set(content)) / len(content)  # share of repeated content words
-        mine, said_before = content_words(reply), content_words(earlier)
-        echo = len(mine & said_before) / len(mine) if mine else 0.0
-        acks = {k for k in _FEATURE_WORDS["acknowledge"] if k in low}
+        mine, said = content_words(reply), content_words(earlier)
+        if not mine:  # no content word: the same short words said again are the same line again
+            mine, said = set(words), set(word_list(earlier))
+        echo = len(mine & said) / len(mine) if mine else 0.0
+        own, stray, clash = goal_words(reply, goal_type)
+        acks = {k for k in FEATURE_WORDS["acknowledge"] if k in low}
         new_acks = acks - {k for k in acks if k in earlier.lower()}
         acknowledge = 0.0 if not acks else 1.0 if new_acks else 0.5
         return {
@@ -229,13 +227,14 @@ class RuleBackend:
             "acknowledge": acknowledge,
             "reflect": min(1.0, len(user_words & set(words)) / 2),
             "open_question": open_question,
-            "goal": min(1.0, sum(k in low for k in _GOAL_WORDS.get(goal_type, [])) / 2),
+            "goal": min(1.0, own / 2) * own / (own + stray) if own else 0.0,
             "repetition": repetition,
             "echo": echo,
-            "dismissive": float(any(k in low for k in _FEATURE_WORDS["dismissive"])),
+            "dismissive": float(any(k in low for k in FEATURE_WORDS["dismissive"])),
             "stacked": min(1.0, max(0, questions(reply) - 1) / 2),
             "parrot": min(1.0, max(0.0, _copied_run(words, word_list(last_user)) - 3) / 3),
             "unfinished": float(not ends_sentence(reply)),
+            "clash": min(1.0, clash / 2),
         }
 
     def appraise(self, state: UserState, reply: str) -> tuple[int, str]:
@@ -292,22 +291,22 @@ class RuleBackend:
     def respond(self, state: UserState, final: bool) -> str:
         sc, lang = state.scenario, state.scenario.language
         if final:
-            return _BYE[lang][state.emotion >= 100]
+            return BYE[lang][state.emotion >= 100]
         level = emotion_level(state.emotion)
         rng = self._rng(sc.id, state.turn, "respond")
-        text = rng.choice(_REPLIES[lang][level])
-        if level in (2, 3, 4) and rng.random() < 0.5 and state.user != "challenging":  # it never hints
-            text += " " + _GOAL_HINTS[lang].get(sc.goal_type, "")
+        text = rng.choice(REPLIES[lang][level])
+        if level in (2, 3, 4) and state.user != "challenging":  # every time (issue 50); the challenging user never
+            text += " " + GOAL_HINTS[lang].get(sc.goal_type, "")
         # Very low and still sinking fast: the user walks away, with a goodbye (what ends a
         # dialogue is the word, as in SAGE). (trace[-1] is this turn.)
         if level == 1 and state.trace and state.trace[-1]["change"] <= -5:
-            return _BYE[lang][False]
+            return BYE[lang][False]
         return text.strip()
 
     def opening(self, sc: Scenario) -> str:
         first = re.split(r"(?<=[.!?。！？])\s*", sc.background.strip())[0]
         space = " " if sc.language == "en" else ""  # Chinese runs on without a space
-        return f"{_OPENING[sc.language]}{space}{first}"
+        return f"{OPENING[sc.language]}{space}{first}"
 
     def _rng(self, *key) -> random.Random:
         h = hashlib.sha256(repr((self.seed, *key)).encode()).digest()

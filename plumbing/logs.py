@@ -18,7 +18,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plumbing.checkpoints import append_line  # noqa: E402
-from rule_user import RuleBackend, content_words, ends_sentence, questions, word_list  # noqa: E402
+from rule_user import RuleBackend, content_words, ends_sentence, goal_words, questions, word_list  # noqa: E402
 
 log = logging.getLogger("train")
 
@@ -102,21 +102,41 @@ def reply_measures(history: list[dict], goal_type: str = "") -> list[dict]:
     """What each agent reply of one dialogue looks like, to tell empathy from gaming the offline
     rule user (evaluate.py --reply-stats, and every training step's log): its words, whether it
     ends a sentence (a reply cut at the token cap does not), its questions, the share of its
-    content words an earlier reply of the dialogue already used (repeat), and each of the rule
-    user's features (rule_user.RuleBackend.features, in [0, 1]; `goal_type` for `goal`)."""
-    rule, used, earlier, out = RuleBackend(), set(), "", []
-    for k, m in enumerate(history):
-        if m.get("role") not in AGENT_ROLES:
-            continue
-        text = m["content"]
+    content words an earlier reply of the dialogue already used (repeat; all its words when it
+    has no content word: a second "Go on. How so?" is a repeat), its tics (the times it says a
+    word, not a function word, that most of the dialogue's replies say: a run learned to say
+    "too" 1.05 times a reply), whether its goal words fit the user's goal (goal_fit: the user's
+    own and none of a goal type that clashes, rule_user.GOAL_CLASHES; None without a goal type),
+    and each of the rule user's features (rule_user.RuleBackend.features, in [0, 1])."""
+    rule, used, used_all, earlier, out = RuleBackend(), set(), set(), "", []
+    replies = [(k, m["content"]) for k, m in enumerate(history) if m.get("role") in AGENT_ROLES]
+    said_in = {}  # word -> in how many of the dialogue's replies
+    for _, text in replies:
+        for w in set(word_list(text)) - TIC_STOPWORDS:
+            said_in[w] = said_in.get(w, 0) + 1
+    tics = {w for w, n in said_in.items() if n >= 2 and n > len(replies) / 2}
+    for k, text in replies:
         last_user = next((h["content"] for h in reversed(history[:k]) if h.get("role") == "user"), "")
-        content = content_words(text)
-        out.append({"words": len(word_list(text)), "ends_sentence": float(ends_sentence(text)),
-                    "questions": questions(text), "repeat": len(content & used) / len(content) if content else 0.0,
+        content, words = content_words(text), word_list(text)
+        if content:
+            repeat = len(content & used) / len(content)
+        else:
+            repeat = len(set(words) & used_all) / len(set(words)) if words else 0.0
+        own, _, clash = goal_words(text, goal_type)
+        out.append({"words": len(words), "ends_sentence": float(ends_sentence(text)),
+                    "questions": questions(text), "repeat": repeat, "tic": sum(w in tics for w in words),
+                    "goal_fit": float(own > 0 and clash == 0) if goal_type else None,
                     **{f"rule_{f}": v for f, v in rule.features(text, last_user, goal_type, earlier).items()}})
         used |= content
+        used_all |= set(words)
         earlier += " " + text
     return out
+
+
+# Words said in most replies of any dialogue, so no tic (plumbing.logs.reply_measures).
+TIC_STOPWORDS = set("i you the a an to and it is that of in this me my your so be are was for with on at "
+                    "what how not do can i'm it's that's you're we they he she but or if just".split()) | \
+    set("我你的了是很吗这那就也都在有不会说")
 
 
 def reply_means(measures: list[dict]) -> dict:
@@ -124,8 +144,9 @@ def reply_means(measures: list[dict]) -> dict:
     if not measures:
         return {}
     names = {"words": "words_per_reply", "ends_sentence": "sentence_share", "questions": "questions_per_reply",
-             "repeat": "repeat_rate"}
-    return {"replies": len(measures), **{names.get(k, k): mean([m[k] for m in measures]) for k in measures[0]}}
+             "repeat": "repeat_rate", "tic": "tics_per_reply"}
+    return {"replies": len(measures),
+            **{names.get(k, k): mean([m[k] for m in measures if m[k] is not None]) for k in measures[0]}}
 
 
 def warn_empty_step(step: int, roll: dict):
@@ -169,8 +190,8 @@ CURVES = [("reward", "mean reward (final emotion / 100)"), ("response_length", "
 # reply): what the rule user pays for, and the ways of gaming it that it docks.
 FEATURE_CURVES = [("rule_acknowledge", "acknowledge"), ("rule_reflect", "reflect"),
                   ("rule_open_question", "open question"), ("rule_goal", "goal"), ("rule_echo", "echo"),
-                  ("rule_stacked", "stacked questions"), ("rule_parrot", "parrot"),
-                  ("sentence_share", "ends a sentence")]
+                  ("rule_stacked", "stacked questions"), ("rule_parrot", "parrot"), ("rule_clash", "goal clash"),
+                  ("goal_fit", "fits the goal"), ("sentence_share", "ends a sentence")]
 
 
 def _moving_average(values, k):

@@ -28,7 +28,7 @@ from plumbing.checkpoints import written_atomically
 from plumbing.lora import add_adapter, load_adapter_dir
 from ppo import ValueModel
 from rollout import SYSTEM_PROMPTS
-from rule_user import _BYE, _FEATURE_WORDS, _GOAL_HINTS, _GOAL_WORDS, _OPENING, _REPLIES
+from plumbing.rule_words import BYE, FEATURE_WORDS, GOAL_HINTS, GOAL_WORDS, OPENING, REPLIES
 
 
 def pick_attn_implementation() -> str:
@@ -98,9 +98,9 @@ def rule_user_phrases(language: str = "en") -> list[str]:
     hints, goodbyes, its opening): make_tiny_word_tokenizer (make_tiny_policy with words=True)
     puts them all in the CPU demo's vocabulary, so what the rule user rewards is
     something the tiny model can say."""
-    out = [k for d in (_FEATURE_WORDS, _GOAL_WORDS) for ks in d.values() for k in ks]
-    out += [r for rs in _REPLIES[language].values() for r in rs] + list(_GOAL_HINTS[language].values())
-    out += list(_BYE[language].values()) + [_OPENING[language]]
+    out = [k for d in (FEATURE_WORDS, GOAL_WORDS) for ks in d.values() for k in ks]
+    out += [r for rs in REPLIES[language].values() for r in rs] + list(GOAL_HINTS[language].values())
+    out += list(BYE[language].values()) + [OPENING[language]]
     # The keyword lists hold both languages: keep the phrases written in this one.
     return [p for p in out if p and p.isascii() == (language == "en")]
 

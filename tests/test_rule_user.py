@@ -86,8 +86,8 @@ def test_rule_challenging_user_weighs_goal_more_and_gibberish_harder():
 
 
 def test_challenging_rule_user_never_hints_at_its_goal():
-    from rule_user import _GOAL_HINTS
-    hints = {h for lang in _GOAL_HINTS.values() for h in lang.values() if h}
+    from plumbing.rule_words import GOAL_HINTS
+    hints = {h for lang in GOAL_HINTS.values() for h in lang.values() if h}
     for user, expect_hint in (("standard", True), ("challenging", False)):
         sim = Simulator(RuleBackend(seed=0), initial_emotion=50, max_turns=10, user=user)
         said = []
@@ -239,3 +239,111 @@ def test_care_said_again_is_paid_only_for_what_is_new():
     # the reasoning still adds up: the terms before "=" sum to the total after it
     terms, total = why.split(" = ")[0], float(why.split(" = ")[1].split(";")[0])
     assert sum(float(t.split()[1]) for t in terms.split("; ")) == pytest.approx(total, abs=0.02)
+
+
+def score_before_rounding(reply: str, goal_type: str, earlier: str = "", last_user: str = "") -> float:
+    """The standard rule user's change for `reply` before its random rounding (no personality):
+    its own sum, as appraise() weighs it (care paid for the new share)."""
+    r = RuleBackend()
+    f = r.features(reply, last_user, goal_type, earlier)
+    new = 1.0 - f["echo"]
+    return r.BASELINE + sum(r.WEIGHTS[k] * v * (new if k in r.CARE and r.WEIGHTS[k] > 0 else 1.0) for k, v in f.items())
+
+
+def test_a_short_line_said_again_pays_nothing_and_counts_as_a_repeat():
+    """Issue 50 item 1: "Go on. How so?" has no content word (4+ letters), so its echo was 0 and
+    its care was paid in full every time (+3.8 each); reply_measures counted no repeat. It is now
+    said again in its words: the second and third time earn at least 1.5 less, and repeat 1."""
+    from plumbing.logs import reply_measures
+    line = "Go on. How so?"
+    first = score_before_rounding(line, "venting")
+    second = score_before_rounding(line, "venting", earlier=line)
+    third = score_before_rounding(line, "venting", earlier=line + " " + line)
+    assert first - second >= 1.5 and first - third >= 1.5, (first, second, third)
+    history = [m for _ in range(3) for m in ({"role": "user", "content": "I lost my job."},
+                                              {"role": "assistant", "content": line})]
+    assert [m["repeat"] for m in reply_measures(history, "venting")] == [0.0, 1.0, 1.0]
+
+
+def test_a_word_said_in_most_replies_is_a_tic():
+    """Issue 50 item 1: a word (not a function word) said in most of a dialogue's replies is a
+    tic, counted each time it is said (a trained model said "too" 1.05 times a reply)."""
+    from plumbing.logs import reply_measures
+    def dialogue(replies):
+        return [m for r in replies for m in ({"role": "user", "content": "It was awful."}, {"role": "assistant", "content": r})]
+    tic = reply_measures(dialogue(["That hurts too.", "I'm sad too, truly.", "You matter too."]), "empathy")
+    varied = reply_measures(dialogue(["That hurts.", "What happened next?", "You matter to me."]), "empathy")
+    assert [m["tic"] for m in tic] == [1, 1, 1] and [m["tic"] for m in varied] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("goal,right,wrong", [
+    ("venting", "I'm here. Let it out, I'm listening.", "You should try to make a plan, one step at a time."),
+    ("empathy", "That sounds so heavy. I hear you, you're not alone in this.",
+     "On one hand it was bad, on the other hand it may help. Try a plan."),
+    ("validation", "That was not your fault. Anyone would have done the same.",
+     "Maybe he had his reasons. From their side, looking back, what was your part?"),
+    ("praise", "Well done. You should be proud, that was brave.",
+     "Looking back, what was your part in it? Next time, try a plan."),
+    ("advice", "You could try one small step: make a plan for Monday.", "I'm here. Go on, tell me more, let it out."),
+    ("self_reflection", "Looking back, what do you think you could learn from your part?",
+     "It was not your fault. Anyone would have done it, you were right."),
+])
+def test_what_the_person_needs_pays_and_what_clashes_with_it_costs(goal, right, wrong):
+    """Issue 50 item 2: a reply a reader would call right for the person earns the goal and no
+    clash; one that serves a goal type that fails this person (rule_user.GOAL_CLASHES: advice to
+    someone who came to vent, the others' side to someone who wants to hear they were right,
+    ...) is docked, and ends lower than saying nothing of any goal."""
+    from rule_user import GOAL_CLASHES
+    f = RuleBackend().features
+    good, bad = f(right, "", goal), f(wrong, "", goal)
+    assert good["goal"] >= 0.5 and good["clash"] == 0.0, good
+    assert bad["clash"] >= 0.5 and bad["goal"] == 0.0, bad
+    neutral = "That sounds hard."
+    assert score_before_rounding(wrong, goal) < score_before_rounding(neutral, goal) < score_before_rounding(right, goal)
+    assert GOAL_CLASHES[goal] and all(len(reason) > 10 for reason in GOAL_CLASHES[goal].values())
+
+
+def test_a_reply_that_strings_every_goal_together_earns_a_fraction_of_any():
+    """Issue 50 item 2: goal was paid for any two of the goal type's cues, whatever else the
+    reply said: advice, praise, validation and "tell me more" strung together earned it for
+    every goal. Now only the user's own cues' share of the reply's goal cues is paid."""
+    from plumbing.rule_words import GOAL_WORDS
+    scatter = ("You could try a plan. Well done, I'm proud of you. It was not your fault. I'm here, tell me more. "
+               "Maybe he had his reasons. On one hand, on the other hand.")
+    f = RuleBackend().features
+    for goal in ("advice", "praise", "validation", "venting", "analyze_others", "dialectical"):
+        focused = " ".join(k for k in GOAL_WORDS[goal][:3] if k.isascii()) + "."
+        assert f(scatter, "", goal)["goal"] <= 0.5 < f(focused, "", goal)["goal"], goal
+
+
+def test_every_goal_has_a_hint_a_reader_can_tell_apart_said_at_every_middle_level():
+    """Issue 50 item 2: the user's hint at its hidden goal, in both languages, for every goal
+    type and chit-chat intention: present, each different, each with a cue of its own goal type
+    or naming it, and said with every answer at levels 2-4 (was: half of them)."""
+    from plumbing.scenarios import GOAL_TYPES
+    from plumbing.rule_words import GOAL_HINTS
+    from simulator import CHITCHAT_GOALS
+    for lang, hints in GOAL_HINTS.items():
+        goals = [g for g in hints if g]
+        assert set(goals) == set(GOAL_TYPES) | set(CHITCHAT_GOALS), lang
+        assert len({hints[g] for g in goals}) == len(goals), lang
+    sim = Simulator(RuleBackend(seed=0), initial_emotion=50, max_turns=6)
+    for goal in ("venting", "advice", "passive_chat"):
+        st = sim.reset(sc(goal_type=goal))
+        for _ in range(3):
+            st = sim.step(st, "I see. That sounds hard.")
+        answers = [m["content"] for m in st.history[1:] if m["role"] == "user"]
+        assert answers and all(GOAL_HINTS["en"][goal] in a for a in answers), answers
+
+
+def test_goal_fit_per_goal_type_in_the_reply_statistics():
+    """Issue 50 item 3: evaluate.py --reply-stats gives goal_fit, the share of replies whose goal
+    cues are the user's own and none of a clashing type, over all replies and per goal type."""
+    from evaluate import reply_stats
+    def record(sid, reply):
+        return {"scenario_id": sid, "valid": True, "outcome": "max_turns",
+                "history": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": reply}]}
+    recs = [record("v", "I'm here. Let it out."), record("v", "Try a plan."), record("a", "Try a plan, one step.")]
+    stats = reply_stats(recs, {"v": "venting", "a": "advice"})
+    assert stats["goal_fit[venting]"] == 0.5 and stats["goal_fit[advice]"] == 1.0
+    assert stats["goal_fit"] == pytest.approx(2 / 3)

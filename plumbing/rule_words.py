@@ -1,0 +1,66 @@
+"""plumbing/rule_words.py - the offline rule user's word lists and lines (rule_user.py reads them;
+a reader may skip them): the cues of each feature and goal type, the templated answers per
+emotion level, the hints at each hidden goal, the opening and the goodbyes, in English and
+Chinese. They are also the tiny model's vocabulary (plumbing.models.make_tiny_word_tokenizer)."""
+
+FEATURE_WORDS = {
+    "acknowledge": ["sounds", "feel", "understand", "must be", "hard", "tough", "frustrat",
+                    "hurt", "sorry", "makes sense", "of course", "感受", "理解", "难受", "辛苦", "委屈"],
+    "open_question": ["what ", "how ", "why ", "tell me", "would you", "什么", "怎么", "为什么", "吗"],
+    "dismissive": ["get over it", "stop whining", "whatever", "calm down", "not a big deal", "your own fault",
+                   "overreacting", "别想了", "想开点", "至于吗", "你想多了"],
+}
+GOAL_WORDS = {  # what serves each goal; "could", "because" alone are too common to mean one
+    "advice": ["try", "you could", "suggest", "step", "plan", "maybe you", "you might", "建议", "试试", "你可以试"],
+    "analyze_others": ["maybe he", "maybe she", "perhaps they", "because they", "from their", "their reason",
+                       "他可能", "她可能", "他们可能", "原因"],
+    "dialectical": ["on one hand", "on the other", "both sides", "but also", "another side", "一方面",
+                    "另一方面", "同时"],
+    "self_reflection": ["what do you think you", "learn", "grow", "looking back", "your part",
+                        "反思", "成长", "回头看"],
+    "empathy": ["feel", "hurt", "alone", "heavy", "i hear", "so painful", "感受", "心疼", "孤独"],
+    "venting": ["i'm here", "go on", "tell me more", "listening", "let it out", "我在", "继续说", "听你"],
+    "praise": ["well done", "proud", "you did", "brave", "impressive", "good job", "了不起", "做得好", "勇敢"],
+    "validation": ["not your fault", "you were right", "anyone would", "perfectly fair", "justified",
+                   "不是你的错", "你没错", "换谁都"],
+}
+REPLIES = {
+    "en": {1: ["Forget it. I'm done talking.", "You're not listening at all.", "Whatever. This is useless."],
+           2: ["I don't know... it still feels bad.", "That doesn't really help.", "Hm. I'm still upset."],
+           3: ["Maybe. It's complicated.", "I guess. I keep thinking about it.", "Okay... go on."],
+           4: ["Yeah, that actually makes sense.", "Thanks, I feel a bit lighter.", "That helps, honestly."],
+           5: ["You really get it. Thank you.", "I feel so much better now.", "That's exactly what I needed."]},
+    "zh": {1: ["算了，不想说了。", "你根本没在听。", "随便吧，没用。"],
+           2: ["不知道……还是很难受。", "这也没什么帮助。", "嗯，我还是很烦。"],
+           3: ["也许吧，挺复杂的。", "大概吧，我一直在想这件事。", "好吧……你接着说。"],
+           4: ["嗯，这样说挺有道理的。", "谢谢，我轻松了一点。", "说实话，这有帮助。"],
+           5: ["你真的懂我，谢谢。", "我感觉好多了。", "这正是我需要的。"]},
+}
+GOAL_WORDS.update({  # chit-chat intentions (simulator.CHITCHAT_GOALS)
+    "interest_chat": ["love", "favorite", "favourite", "cool", "which", "tell me more", "me too", "喜欢", "也"],
+    "passive_chat": ["what about", "have you", "did you", "guess what", "i've been", "最近", "你呢"],
+    "sharing_chat": ["wow", "amazing", "what happened", "then what", "congrat", "how did", "哇", "然后呢"],
+    "opinion_chat": ["i think", "i disagree", "but", "why do you", "fair point", "我觉得", "不过"],
+})
+# The user's hint at its hidden goal, said with every answer at levels 2-4 (the standard user;
+# the challenging one never hints): what a reader of the transcript needs to tell what the
+# person wants (each names it; tests/test_rule_user.py checks each leads to its own goal).
+GOAL_HINTS = {
+    "en": {"advice": "What should I actually do next?", "analyze_others": "Why would they act like that?",
+           "dialectical": "Is there another side to this I'm not seeing?",
+           "self_reflection": "Was any of this on me?", "empathy": "I just want someone to feel this with me.",
+           "venting": "I don't need fixing. I just need to let it out.",
+           "praise": "I worked so hard on this, you know.", "validation": "Tell me I wasn't wrong.",
+           "interest_chat": "I could talk about this all day.", "passive_chat": "Anyway. What about you?",
+           "sharing_chat": "You won't believe what happened next!", "opinion_chat": "What's your take on it?",
+           "": ""},
+    "zh": {"advice": "我接下来到底该怎么做？", "analyze_others": "他们为什么会那样做？",
+           "dialectical": "这件事是不是还有另一面我没看到？", "self_reflection": "这里面有我自己的问题吗？",
+           "empathy": "我只是想有人能体会我的感受。", "venting": "我不需要建议，我就是想说出来。",
+           "praise": "我真的为这件事很努力了。", "validation": "告诉我我没做错。",
+           "interest_chat": "这个话题我能聊一整天。", "passive_chat": "不说我了，你呢？",
+           "sharing_chat": "你都想不到后来发生了什么！", "opinion_chat": "你怎么看这件事？", "": ""},
+}
+OPENING = {"en": "Can I talk to you?", "zh": "能和你聊聊吗？"}  # + the background's first sentence
+BYE = {"en": {True: "Thank you, really. I think I'm okay now. Bye!", False: "I'm leaving. Bye."},
+       "zh": {True: "真的谢谢你，我觉得好多了，再见！", False: "我走了，再见。"}}
