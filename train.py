@@ -42,9 +42,9 @@ from logprobs import add_logprobs
 from plumbing.backends import EndpointError, SimulatorArgs, describe, make_simulator
 from plumbing.checkpoints import SaveError, resume_hint, resume_if_asked, save_checkpoint, save_final
 from plumbing.checks import InputError, checked_backend, validate
-from plumbing.distributed import (claim_output_dir, first_on_node, gather_rollout_stats, make_accelerator,
-                                  make_generation_copy, pad_to_equal_rows, process_group_timeout, reduce_stats,
-                                  run_rollout, sampler_mismatch)
+from plumbing.distributed import (claim_output_dir, end_training, first_on_node, gather_rollout_stats,
+                                  make_accelerator, make_generation_copy, pad_to_equal_rows, process_group_timeout,
+                                  reduce_stats, run_rollout, sampler_mismatch)
 from plumbing.engines import EngineArgs, VLLMEngine
 from plumbing.flags import parse_config, recipe
 from plumbing.lora import LoraArgs, ReferencePolicy
@@ -293,7 +293,7 @@ def train(cfg: Config) -> dict:
                    f"RLVER {cfg.algo.upper()} ({cfg.preset} preset)")
     if engine is not None:  # after the last collective: vLLM's cleanup tears down the process group
         engine.close()
-    accelerator.end_training()
+    end_training(accelerator)  # not accelerator.end_training(): see there
     lock.close()
     return last
 

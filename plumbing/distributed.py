@@ -14,7 +14,9 @@ With one process every function here is the identity or the plain call.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import copy
 import dataclasses
 import datetime
@@ -112,6 +114,29 @@ def check_launch(accelerator):
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise InputError("fsdp_version: 1 in the accelerate config is not supported; "
                          "set fsdp_config.fsdp_version: 2 (FSDP2, as configs/fsdp_8gpu.yaml)")
+
+
+_KEPT = []  # process groups end_training keeps alive until exit (see there)
+
+
+def end_training(accelerator):
+    """accelerator.end_training(), with the process group kept alive until the models are gone.
+    A DDP model's Reducer holds the process group, and when the Reducer drops the last reference
+    the group is destroyed with the GIL held: gloo's destructor joins its worker threads, and a
+    worker still freeing the last collective's tensors waits for the GIL. Both wait forever (a
+    race; pytorch issue 56297; in CI a 2-process DDP PPO resume hung as train() returned). So the
+    group's last reference is a Python one, dropped at exit after the models (release_kept_groups:
+    a Python reference is let go with the GIL released)."""
+    if torch.distributed.is_initialized():
+        if not _KEPT:
+            atexit.register(release_kept_groups)
+        _KEPT.append(torch.distributed.group.WORLD)
+    accelerator.end_training()
+
+
+def release_kept_groups():
+    gc.collect()  # the models first (a model can sit in a reference cycle)...
+    _KEPT.clear()  # ...then the groups
 
 
 def node_of(rank: int) -> int:

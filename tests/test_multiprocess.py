@@ -43,6 +43,16 @@ def test_two_process_update_equals_one_process_update(mode, tmp_path):
     assert res["distributed_type"].endswith("FSDP" if mode == "fsdp2" else "MULTI_CPU")
 
 
+def test_training_ends_without_the_gloo_exit_deadlock(tmp_path):
+    """A 2-process DDP run ends: plumbing.distributed.end_training keeps the process group until
+    the models are gone. With accelerate's end_training alone a DDP Reducer destroyed the group
+    with the GIL held while gloo's worker waited for the GIL (CI: the DDP PPO resume below hung
+    at exit; tests/mp_exit.py plain hangs in 3 of 3 launches here)."""
+    rc, log = launch("ddp", "tests/mp_exit.py", "fixed", str(tmp_path), timeout=60)
+    assert rc == 0, log[-3000:]
+    assert log.count("rounds ended") == 2, log[-3000:]
+
+
 # --minibatch-size counts scenarios of the whole step: 4 / 2 = 2 optimizer steps per rollout on
 # any number of processes (and so the rollout's old log-probs are computed).
 # A warmup over 3 of the 4 steps: the learning rate after step 0 is 2/3 of the peak on any
