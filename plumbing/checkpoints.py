@@ -19,7 +19,7 @@ import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
-from plumbing.lora import engine_weights, is_lora, save_adapter
+from plumbing.lora import adapter_state, engine_weights, is_lora, save_adapter
 from update import all_sum
 
 log = logging.getLogger("train")
@@ -225,17 +225,18 @@ def save_final(accelerator, policy, tok, path, dtype=None):
     written into the config too; None: as the weights are. A LoRA policy is saved merged (the
     weights the engine gets, plumbing.lora.engine_weights), its adapter in final/adapter."""
     accelerator.wait_for_everyone()
-    state = accelerator.get_state_dict(policy)
     model = accelerator.unwrap_model(policy)
     adapter = None
     if is_lora(model):  # LoRA: final/ is the merged model, final/adapter the adapter (PEFT's format)
-        adapter, merged, on_cpu = state, {}, {}
+        adapter, merged, on_cpu = adapter_state(model, accelerator.is_main_process), {}, {}
         for name, tensor in engine_weights(model, dtype or next(model.parameters()).dtype):  # on every process
             if accelerator.is_main_process:
                 if id(tensor) not in on_cpu:  # a tied head stays one tensor
                     on_cpu[id(tensor)] = tensor.cpu()
                 merged[name] = on_cpu[id(tensor)]
         state, model = merged, model.get_base_model()  # cast already
+    else:
+        state = accelerator.get_state_dict(policy)
     outcome = None
     if accelerator.is_main_process:
         if dtype is not None and adapter is None:

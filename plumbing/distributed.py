@@ -143,7 +143,12 @@ def node_of(rank: int) -> int:
     """The node a process runs on: torchrun gives node K the ranks K x P .. K x P + P - 1 (P =
     LOCAL_WORLD_SIZE processes per node). With the static rendezvous (docs/MULTI_GPU.md) K is
     the machine rank; with c10d, the order in which the nodes joined."""
-    return rank // int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return rank // processes_per_node()
+
+
+def processes_per_node() -> int:
+    """P: the launcher's LOCAL_WORLD_SIZE; without one, every process is on this node."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
 def first_on_node() -> bool:
@@ -231,9 +236,10 @@ def claim_output_dir(accelerator, path: str):
             if lock is not None:
                 lock.close()
             raise InputError(errors[0])
-    nodes = accelerator.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    per = processes_per_node()
+    nodes = accelerator.num_processes // per
     if nodes > 1 and first_on_node():
-        node, per = node_of(accelerator.process_index), accelerator.num_processes // nodes
+        node = node_of(accelerator.process_index)
         log.info("node %d of %d: ranks %d-%d on host %s; the main process (rank 0: metrics.jsonl, samples.jsonl, "
                  "the checkpoints, final/) runs on host %s; --output-dir %s is shared", node, nodes, node * per,
                  node * per + per - 1, socket.gethostname(), main_host, path)

@@ -178,9 +178,22 @@ def trainable_only(models, weights, output_dir=None):
                 del state[key]
 
 
+def adapter_state(model, keep: bool) -> dict:
+    """The adapter's tensors whole, on the CPU where `keep` (the main process): what
+    final/adapter holds. Every process calls it: under FSDP2 each tensor is gathered in turn (the
+    adapter alone; the base is never gathered for it)."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if ".lora_" in name:
+            tensor = _full(tensor.detach())
+            if keep:
+                state[name] = tensor.cpu()
+    return state
+
+
 def save_adapter(peft_model, state: dict, folder: str):
     """The adapter in PEFT's format: adapter_config.json (naming the base) and
-    adapter_model.safetensors, from `state`, the full state dict gathered from the processes."""
+    adapter_model.safetensors, from `state`, the adapter's tensors whole (adapter_state)."""
     peft_model.save_pretrained(folder, state_dict=state, save_embedding_layers=False)  # (no hub lookup)
 
 

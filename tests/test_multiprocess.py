@@ -109,6 +109,11 @@ def test_train_resume_equals_uninterrupted(mode, algo, extra, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    if "--lora-rank" in extra:  # final/adapter, its tensors gathered whole (FSDP2: shard by shard), loads to final/
+        from plumbing.models import load_policy
+        merged = load_policy(os.path.join(full, "final", "adapter"))[0].state_dict()
+        for k, v in a.items():
+            assert torch.equal(merged[k], v), k
 
 
 def test_a_checkpoint_one_process_cannot_write_ends_every_process_in_one_line(tmp_path):
