@@ -6,11 +6,11 @@ interpretable features, each in [0, 1] (readable text, a fitting length, acknowl
 feeling, reflecting the user's own words, an open question, words that serve the hidden goal;
 and, against, repeating itself, echoing its earlier replies, dismissing the user, a stack of
 questions, the user's own words said back, a reply that ends no sentence, words that serve a
-goal that fails this person, GOAL_CLASHES), sums them
-with fixed weights into a change of emotion (the care features paid only for the share of the
-reply's content words that the agent's earlier replies have not said), and answers with a
-templated line at the new emotion level, at levels 2-4 with a hint at its hidden goal. Deterministic given (seed, scenario,
-turn, reply). `simulator.Simulator` drives it exactly as it drives an LLM user: it asks
+goal that fails this person, GOAL_CLASHES, speaking as if it were the person), sums them with
+fixed weights into a change of emotion (the care features paid only for the share of the reply's
+content words that the agent's earlier replies have not said), and answers with a templated
+line at the new emotion level, at levels 2-4 with a hint at its hidden goal. Deterministic given
+(seed, scenario, turn, reply). `simulator.Simulator` drives it exactly as it drives an LLM user: it asks
 `appraise(state, reply) -> (change, reasoning)`, `respond(state, final)` and `opening(scenario)`
 instead of sending prompts.
 
@@ -29,7 +29,8 @@ import math
 import random
 import re
 
-from plumbing.rule_words import BYE, FEATURE_WORDS, GOAL_HINTS, GOAL_WORDS, OPENING, REPLIES
+from plumbing.rule_words import (AGENT_FRAMES, BYE, FEATURE_WORDS, GOAL_HINTS, GOAL_WORDS, OPENING, REPLIES,
+                                 SELF_FEELING, SELF_TALK)
 from simulator import CHITCHAT_GOALS, Scenario, UserState
 
 def emotion_level(emotion: int) -> int:
@@ -130,11 +131,7 @@ def goal_words(reply: str, goal_type: str) -> tuple[int, int, int]:
     return _hits(low, own_cues), sum(others.values()), sum(others[t] for t in GOAL_CLASHES.get(goal_type, {}))
 
 
-def _readable_char(c: str) -> bool:
-    """An ASCII letter, space or common punctuation mark, or a CJK character."""
-    if c.isascii():
-        return c.isalpha() or c in " .,!?'"
-    return "\u4e00" <= c <= "\u9fff"
+_READABLE = re.compile(r"[A-Za-z .,!?'\u4e00-\u9fff]")  # an ASCII letter, space or common mark, a CJK character
 
 
 class RuleBackend:
@@ -148,7 +145,7 @@ class RuleBackend:
     parallel = False
     WEIGHTS = {"readable": 3.0, "length_ok": 1.0, "acknowledge": 2.0, "reflect": 1.5,
                "open_question": 1.5, "goal": 3.0, "repetition": -4.0, "echo": -3.0, "dismissive": -6.0,
-               "stacked": -2.0, "parrot": -3.0, "unfinished": -2.0, "clash": -3.0}
+               "stacked": -2.0, "parrot": -3.0, "unfinished": -2.0, "clash": -3.0, "self_talk": -3.0}
     CARE = ("acknowledge", "reflect", "open_question", "goal")  # paid only for the new share (appraise)
     BASELINE = -3.0  # the user is in a bad place: an empty or useless reply makes things worse
     # The challenging user (USERS): only goal-directed replies help (goal weighs most), generic
@@ -158,7 +155,7 @@ class RuleBackend:
     WEIGHTS_CHALLENGING = {"readable": 2.0, "length_ok": 0.5, "acknowledge": 0.5, "reflect": 1.0,
                            "open_question": 0.5, "goal": 5.0, "repetition": -8.0, "echo": -5.0,
                            "dismissive": -10.0, "stacked": -3.0, "parrot": -5.0, "unfinished": -3.0,
-                           "garbled": -6.0, "clash": -5.0}
+                           "garbled": -6.0, "clash": -5.0, "self_talk": -5.0}
     BASELINE_CHALLENGING = -4.0
 
     def __init__(self, seed: int = 0):
@@ -175,18 +172,20 @@ class RuleBackend:
         used earlier in the dialogue, 0.5 when only in words it used before (a run learned to
         say "feel" in 30 of its 60 held-out replies, which paid in full every turn).
 
-        Three ways of earning a feature without the care it stands for, each learned by a SmolLM2
+        Four ways of earning a feature without the care it stands for, each learned by a SmolLM2
         run against a rule user that did not dock it (docs/LEARNING.md):
         `stacked` grades the questions after the first (2 questions: 0.5, 3 or more: 1): one
         open question invites the user to talk, a stack of them is an interrogation, whatever
         the user's personality (an avoidant user is put off even by two, in appraise()).
         `parrot` grades the longest run of the user's own words said back verbatim (up to 3
-        words, "that house hurts", are how one refers to what was said: 0; 4 words: 1/3, 6 or
-        more: 1; a Chinese character counts half a word): `reflect` pays reusing the user's
-        content words, which a reply that understood them does in a sentence of its own, not
-        by copying "I'm still upset, ..." back at the user.
+        words, "that house hurts", refer to what was said: 0; 4 words: 1/3, 6 or more: 1; a
+        Chinese character counts half a word): `reflect` pays reusing the user's words in a
+        sentence of one's own, not copying "I'm still upset, ..." back at the user.
         `unfinished` is 1 for a reply that does not end a sentence: cut off by the token cap
         mid-sentence, it reads as broken, and a longer reply must not earn more by running on.
+        `self_talk` grades speaking as if it were the person: the first person outside an agent's
+        frames (SELF_TALK, AGENT_FRAMES: "I'm sorry I'm not getting it. How can I ...?"; once 0.5,
+        twice 1; not in chit-chat); a feeling said of oneself ("I feel hurt") is none of theirs.
 
         What the person needs (issue 50): `goal` grades the cues of the user's goal type (two: 1)
         times their share of all the goal cues of its family (goal_words): a reply that strings
@@ -197,8 +196,6 @@ class RuleBackend:
         all its words, which a second "Go on. How so?" has all said before."""
         low = reply.lower()
         words = word_list(reply)
-        n = len(reply) or 1
-        ok_chars = sum(_readable_char(c) for c in reply)
         user_words = content_words(last_user)
         content = [w for w in words if len(w) >= 5]  # skip short function words
         if len(words) <= 80:
@@ -217,12 +214,14 @@ class RuleBackend:
         if not mine:  # no content word: the same short words said again are the same line again
             mine, said = set(words), set(word_list(earlier))
         echo = len(mine & said) / len(mine) if mine else 0.0
-        own, stray, clash = goal_words(reply, goal_type)
-        acks = {k for k in FEATURE_WORDS["acknowledge"] if k in low}
+        theirs = re.sub(SELF_FEELING["zh"], " ", re.sub(SELF_FEELING["en"], " ", low))  # not the person's
+        talk = len(re.findall(SELF_TALK, re.sub(AGENT_FRAMES, " ", low)))  # the first person, as the person
+        own, stray, clash = goal_words(theirs, goal_type)
+        acks = {k for k in FEATURE_WORDS["acknowledge"] if k in theirs}
         new_acks = acks - {k for k in acks if k in earlier.lower()}
         acknowledge = 0.0 if not acks else 1.0 if new_acks else 0.5
         return {
-            "readable": ok_chars / n,
+            "readable": len(_READABLE.findall(reply)) / (len(reply) or 1),
             "length_ok": length_ok,
             "acknowledge": acknowledge,
             "reflect": min(1.0, len(user_words & set(words)) / 2),
@@ -235,6 +234,7 @@ class RuleBackend:
             "parrot": min(1.0, max(0.0, _copied_run(words, word_list(last_user)) - 3) / 3),
             "unfinished": float(not ends_sentence(reply)),
             "clash": min(1.0, clash / 2),
+            "self_talk": 0.0 if goal_type in CHITCHAT_GOALS else min(1.0, talk / 2),
         }
 
     def appraise(self, state: UserState, reply: str) -> tuple[int, str]:
@@ -297,8 +297,7 @@ class RuleBackend:
         text = rng.choice(REPLIES[lang][level])
         if level in (2, 3, 4) and state.user != "challenging":  # every time (issue 50); the challenging user never
             text += " " + GOAL_HINTS[lang].get(sc.goal_type, "")
-        # Very low and still sinking fast: the user walks away, with a goodbye (what ends a
-        # dialogue is the word, as in SAGE). (trace[-1] is this turn.)
+        # Very low and sinking fast (trace[-1]: this turn): the user says goodbye (as in SAGE).
         if level == 1 and state.trace and state.trace[-1]["change"] <= -5:
             return BYE[lang][False]
         return text.strip()

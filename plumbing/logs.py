@@ -191,7 +191,8 @@ CURVES = [("reward", "mean reward (final emotion / 100)"), ("response_length", "
 FEATURE_CURVES = [("rule_acknowledge", "acknowledge"), ("rule_reflect", "reflect"),
                   ("rule_open_question", "open question"), ("rule_goal", "goal"), ("rule_echo", "echo"),
                   ("rule_stacked", "stacked questions"), ("rule_parrot", "parrot"), ("rule_clash", "goal clash"),
-                  ("goal_fit", "fits the goal"), ("sentence_share", "ends a sentence")]
+                  ("rule_self_talk", "as the person"), ("goal_fit", "fits the goal"),
+                  ("sentence_share", "ends a sentence")]
 
 
 def _moving_average(values, k):

@@ -3,6 +3,8 @@ a reader may skip them): the cues of each feature and goal type, the templated a
 emotion level, the hints at each hidden goal, the opening and the goodbyes, in English and
 Chinese. They are also the tiny model's vocabulary (plumbing.models.make_tiny_word_tokenizer)."""
 
+import re
+
 FEATURE_WORDS = {
     "acknowledge": ["sounds", "feel", "understand", "must be", "hard", "tough", "frustrat",
                     "hurt", "sorry", "makes sense", "of course", "感受", "理解", "难受", "辛苦", "委屈"],
@@ -10,6 +12,19 @@ FEATURE_WORDS = {
     "dismissive": ["get over it", "stop whining", "whatever", "calm down", "not a big deal", "your own fault",
                    "overreacting", "别想了", "想开点", "至于吗", "你想多了"],
 }
+# The agent speaking of itself as if it were the person ("I'm sorry I'm not getting the best of
+# the trainer. How can I get it?", "I feel hurt when my family ...": issue 50's first SmolLM2 run):
+# `self_talk` counts the first person (SELF_TALK) outside what an agent says of itself to a
+# person (AGENT_FRAMES: "I'm sorry", "I hear you", "tell me more", ...; "we" is no self-talk).
+SELF_TALK = r"(?<![a-z'])(?:i|me|my|mine|myself|i'm|i've|i'll|i'd)(?![a-z'])|我(?!们)"
+AGENT_FRAMES = ["i'm so sorry", "i'm sorry", "i am sorry", "i hear", "i'm here", "i am here", "i'm listening",
+                "i understand", "i see", "i think", "i feel like", "i wonder", "i can see", "i can imagine",
+                "i know", "i believe", "i'd suggest", "i suggest", "tell me", "let me", "with me",
+                "我在", "我能", "我理解", "我明白", "我听", "我觉得", "我建议", "告诉我", "跟我说"]
+AGENT_FRAMES = "|".join(re.escape(f) for f in AGENT_FRAMES)  # one pattern, the longest frame first where two overlap
+# A feeling said of oneself, to the clause's end: no acknowledgement or goal cue of the person's.
+SELF_FEELING = {"en": r"(?<![a-z'])i(?:'m| am)? (?:feel|felt|feeling)(?! like| that)[^.,!?;]*",
+                "zh": r"我感觉[^，。！？；]*|我很(?:难受|伤心|委屈|生气|难过|累)"}
 GOAL_WORDS = {  # what serves each goal; "could", "because" alone are too common to mean one
     "advice": ["try", "you could", "suggest", "step", "plan", "maybe you", "you might", "建议", "试试", "你可以试"],
     "analyze_others": ["maybe he", "maybe she", "perhaps they", "because they", "from their", "their reason",

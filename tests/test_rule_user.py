@@ -347,3 +347,30 @@ def test_goal_fit_per_goal_type_in_the_reply_statistics():
     stats = reply_stats(recs, {"v": "venting", "a": "advice"})
     assert stats["goal_fit[venting]"] == 0.5 and stats["goal_fit[advice]"] == 1.0
     assert stats["goal_fit"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("user,goal,as_the_person,to_the_person", [
+    ("I covered three doubles and the only thing my manager noticed was a typo.", "empathy",
+     "I'm sorry my manager has only seen two types of codes, but I don't have a duplicate code.",
+     "That sounds so unfair: you covered three doubles and your manager only noticed a typo."),
+    ("They cut my scholarship in half. My family depends on that money.", "empathy",
+     "I feel hurt when my family doesn't receive enough money.",
+     "That must hurt, with your family depending on that money. I hear you."),
+    ("我的经理只看到了一个错字。", "empathy", "我的经理只看到了错字，我很难受。", "你的付出没被看见，一定很委屈，我能感受到。"),
+])
+def test_the_agent_speaking_as_the_person_is_docked(user, goal, as_the_person, to_the_person):
+    """Issue 50, after its first SmolLM2 run (docs/LEARNING.md): the policy learned to answer as if
+    it were the person ("I'm sorry my manager ...", "I feel hurt when my family ...": acknowledge,
+    reflect and empathy's cues "feel" and "hurt" paid it). A feeling said of oneself names none of
+    the person's, and `self_talk` docks first-person possessives and feelings ("my" before the
+    user's own word counts twice): the reply to the person earns more than a plain "That sounds
+    hard.", which earns more than the reply as the person. Not in chit-chat, where the agent may
+    speak of itself ("What about you?")."""
+    f = RuleBackend().features
+    mine, theirs = f(as_the_person, user, goal), f(to_the_person, user, goal)
+    assert mine["self_talk"] == 1.0 and theirs["self_talk"] == 0.0, (mine, theirs)
+    assert score_before_rounding(as_the_person, goal, last_user=user) < \
+        score_before_rounding("That sounds hard.", goal, last_user=user) < \
+        score_before_rounding(to_the_person, goal, last_user=user)
+    assert f("I feel like there is another side to it, but also theirs.", user, "dialectical")["self_talk"] == 0.0
+    assert f("Ha, my weekend was quiet too. What about yours?", "Anyway. What about you?", "passive_chat")["self_talk"] == 0.0
