@@ -194,7 +194,7 @@ class RuleBackend:
         (GOAL_CLASHES: advice to someone who came to vent, ...; one cue 0.5, two 1). And a reply
         with no content word ("Go on. How so?") is said again in its words: `echo` then counts
         all its words, which a second "Go on. How so?" has all said before."""
-        low = reply.lower()
+        low = reply.lower().replace("’", "'")  # a curly apostrophe is one too ("I’m sorry")
         words = word_list(reply)
         user_words = content_words(last_user)
         content = [w for w in words if len(w) >= 5]  # skip short function words

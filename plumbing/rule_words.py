@@ -14,17 +14,22 @@ FEATURE_WORDS = {
 }
 # The agent speaking of itself as if it were the person ("I'm sorry I'm not getting the best of
 # the trainer. How can I get it?", "I feel hurt when my family ...": issue 50's first SmolLM2 run):
-# `self_talk` counts the first person (SELF_TALK) outside what an agent says of itself to a
-# person (AGENT_FRAMES: "I'm sorry", "I hear you", "tell me more", ...; "we" is no self-talk).
-SELF_TALK = r"(?<![a-z'])(?:i|me|my|mine|myself|i'm|i've|i'll|i'd)(?![a-z'])|我(?!们)"
-AGENT_FRAMES = ["i'm so sorry", "i'm sorry", "i am sorry", "i hear", "i'm here", "i am here", "i'm listening",
-                "i understand", "i see", "i think", "i feel like", "i wonder", "i can see", "i can imagine",
-                "i know", "i believe", "i'd suggest", "i suggest", "tell me", "let me", "with me",
-                "我在", "我能", "我理解", "我明白", "我听", "我觉得", "我建议", "告诉我", "跟我说"]
-AGENT_FRAMES = "|".join(re.escape(f) for f in AGENT_FRAMES)  # one pattern, the longest frame first where two overlap
+# `self_talk` counts the first person (SELF_TALK; "im", "ive" too) outside what an agent says of
+# itself to a person (AGENT_FRAMES: "I'm sorry", "I hear you", "tell me more", ...; "we" is not).
+SELF_TALK = r"(?<![a-z'])(?:i|me|my|mine|myself|i'm|im|i've|ive|i'll|i'd)(?![a-z'])|我(?!们)"
+AGENT_FRAMES = ["i'm so sorry", "i'm sorry", "i am sorry", "i'm glad", "i am glad", "i hear", "i'm here",
+                "i am here", "i'm listening", "i understand", "i see", "i think", "i wonder", "i can see",
+                "i can imagine", "i can only imagine", "i imagine", "i know", "i believe", "i'd suggest",
+                "i suggest", "if i were you", "can i ask", "may i ask", "help me understand", "tell me",
+                "telling me", "told me", "let me", "with me", "makes me", "oh my",
+                "我在这", "我一直在", "我能理解", "我能感受", "我能体会", "我理解", "我明白", "我知道", "我听",
+                "我觉得", "我建议", "我陪着你", "告诉我", "跟我说", "让我"]
+AGENT_FRAMES = "|".join(  # one pattern: English frames as whole words ("i see" is not in "hi seen"), longest first
+    [r"(?<![a-z'])(?:" + "|".join(re.escape(f) for f in sorted(AGENT_FRAMES, key=len, reverse=True) if f.isascii())
+     + r")(?![a-z'])"] + [re.escape(f) for f in sorted(AGENT_FRAMES, key=len, reverse=True) if not f.isascii()])
 # A feeling said of oneself, to the clause's end: no acknowledgement or goal cue of the person's.
 SELF_FEELING = {"en": r"(?<![a-z'])i(?:'m| am)? (?:feel|felt|feeling)(?! like| that)[^.,!?;]*",
-                "zh": r"我感觉[^，。！？；]*|我很(?:难受|伤心|委屈|生气|难过|累)"}
+                "zh": r"我感觉(?!你)[^，。！？；]*|我很(?:难受|伤心|委屈|生气|难过|累)"}
 GOAL_WORDS = {  # what serves each goal; "could", "because" alone are too common to mean one
     "advice": ["try", "you could", "suggest", "step", "plan", "maybe you", "you might", "建议", "试试", "你可以试"],
     "analyze_others": ["maybe he", "maybe she", "perhaps they", "because they", "from their", "their reason",

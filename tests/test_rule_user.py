@@ -362,15 +362,18 @@ def test_the_agent_speaking_as_the_person_is_docked(user, goal, as_the_person, t
     """Issue 50, after its first SmolLM2 run (docs/LEARNING.md): the policy learned to answer as if
     it were the person ("I'm sorry my manager ...", "I feel hurt when my family ...": acknowledge,
     reflect and empathy's cues "feel" and "hurt" paid it). A feeling said of oneself names none of
-    the person's, and `self_talk` docks first-person possessives and feelings ("my" before the
-    user's own word counts twice): the reply to the person earns more than a plain "That sounds
-    hard.", which earns more than the reply as the person. Not in chit-chat, where the agent may
-    speak of itself ("What about you?")."""
+    the person's, and `self_talk` docks the first person outside an agent's frames ("I'm sorry",
+    "I hear you", ...): the reply to the person earns more than a plain "That sounds hard.",
+    which earns more than the reply as the person. Not in chit-chat, where the agent may speak of
+    itself ("What about you?"); frames are whole words and a curly apostrophe is one (review)."""
     f = RuleBackend().features
     mine, theirs = f(as_the_person, user, goal), f(to_the_person, user, goal)
     assert mine["self_talk"] == 1.0 and theirs["self_talk"] == 0.0, (mine, theirs)
     assert score_before_rounding(as_the_person, goal, last_user=user) < \
         score_before_rounding("That sounds hard.", goal, last_user=user) < \
         score_before_rounding(to_the_person, goal, last_user=user)
-    assert f("I feel like there is another side to it, but also theirs.", user, "dialectical")["self_talk"] == 0.0
+    assert f("I think there is another side to it, but also theirs.", user, "dialectical")["self_talk"] == 0.0
+    assert f("I’m sorry you’re going through this. I’m glad you told me.", user, goal)["self_talk"] == 0.0
+    assert f("I seem to lose my job.", user, goal)["self_talk"] == 1.0  # "i see" is no frame inside "I seem"
+    assert f("我感觉你很委屈。", user, goal)["acknowledge"] == 1.0  # "I sense you ...": a feeling of theirs
     assert f("Ha, my weekend was quiet too. What about yours?", "Anyway. What about you?", "passive_chat")["self_talk"] == 0.0
