@@ -291,9 +291,7 @@ def train(cfg: Config) -> dict:
     if accelerator.is_main_process:
         plot_curve(os.path.join(cfg.output_dir, "metrics.jsonl"), os.path.join(cfg.output_dir, "reward_curve.png"),
                    f"RLVER {cfg.algo.upper()} ({cfg.preset} preset)")
-    if engine is not None:  # after the last collective: vLLM's cleanup tears down the process group
-        engine.close()
-    end_training(accelerator)  # not accelerator.end_training(): see there
+    end_training(accelerator, engine)  # the engine closed; not accelerator.end_training(): see there
     lock.close()
     return last
 

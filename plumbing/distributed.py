@@ -119,21 +119,23 @@ def check_launch(accelerator):
 _KEPT = []  # process groups end_training keeps alive until exit (see there)
 
 
-def end_training(accelerator):
-    """accelerator.end_training(), with the process group kept alive until the models are gone.
-    A DDP model's Reducer holds the process group, and when the Reducer drops the last reference
-    the group is destroyed with the GIL held: gloo's destructor joins its worker threads, and a
-    worker still freeing the last collective's tensors waits for the GIL. Both wait forever (a
-    race; pytorch issue 56297; in CI a 2-process DDP PPO resume hung as train() returned). So the
-    group's last reference is a Python one, dropped at exit after the models (release_kept_groups:
-    a Python reference is let go with the GIL released)."""
+def end_training(accelerator, engine=None):
+    """Close the vLLM engine (if any) and end training (accelerator.end_training()), with the
+    process group kept alive until the models are gone. A DDP model's Reducer holds the process
+    group, and when the Reducer drops the last reference the group is destroyed with the GIL
+    held: gloo's destructor joins its worker threads, and a worker still freeing the last
+    collective's tensors waits for the GIL. Both wait forever (a race; pytorch issue 56297; in CI
+    a 2-process DDP PPO resume hung as train() returned). So the group's last reference is a
+    Python one, taken before the engine's cleanup tears the group down, and dropped at exit after
+    the models (release_kept_groups: a Python reference is let go with the GIL released)."""
     if torch.distributed.is_initialized():
-        if not _KEPT:
-            atexit.register(release_kept_groups)
         _KEPT.append(torch.distributed.group.WORLD)
+    if engine is not None:  # after the last collective: vLLM's cleanup tears down the process group
+        engine.close()
     accelerator.end_training()
 
 
+@atexit.register
 def release_kept_groups():
     gc.collect()  # the models first (a model can sit in a reference cycle)...
     _KEPT.clear()  # ...then the groups
