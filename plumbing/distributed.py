@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import copy
 import dataclasses
 import datetime
 import functools
+import gc
 import logging
 import math
 import os
