@@ -34,16 +34,8 @@ from plumbing.rule_words import (AGENT_FRAMES, BYE, FEATURE_WORDS, GOAL_HINTS, G
 from simulator import CHITCHAT_GOALS, Scenario, UserState
 
 def emotion_level(emotion: int) -> int:
-    """The offline rule user's five reply levels: 1 (very low, < 20) .. 5 (very high, >= 80)."""
-    if emotion < 20:
-        return 1
-    if emotion < 40:
-        return 2
-    if emotion < 60:
-        return 3
-    if emotion < 80:
-        return 4
-    return 5
+    """The offline rule user's five reply levels: 1 (very low, < 20), 2 (< 40) .. 5 (very high, >= 80)."""
+    return max(1, min(5, 1 + emotion // 20))
 
 
 _WORD = re.compile(r"[a-zA-Z']+|[\u4e00-\u9fff]")
@@ -89,6 +81,13 @@ def ends_sentence(text: str) -> bool:
     return bool(_SENTENCE_END.search(text))
 
 
+def finished_part(text: str) -> str:
+    """`text` up to the end of its last finished sentence ("" when it finishes none): what the
+    user takes in of a reply the token cap cut off (RuleBackend.features pays care for no more)."""
+    m = re.match(r".*[.!?。！？…][\"'”’)\]]*", text, re.S)
+    return text if ends_sentence(text) else m.group(0) if m else ""
+
+
 def questions(text: str) -> int:
     """The questions a reply asks: its question marks (English and Chinese)."""
     return text.count("?") + text.count("？")
@@ -116,18 +115,19 @@ def _hits(low: str, cues) -> int:
     return sum(bool(re.search(r"(?<![a-z'])" + re.escape(k), low)) if k.isascii() else k in low for k in cues)
 
 
-def goal_words(reply: str, goal_type: str) -> tuple[int, int, int]:
+def goal_words(reply: str, goal_type: str, said: str = "") -> tuple[int, int, int]:
     """-> (own, stray, clash): the cues of the user's goal type in the reply, those of the other
     goal types of its family (the eight of GOAL_CLASHES' kind, or the chit-chat intentions), and
     those of the goal types that clash with the user's (GOAL_CLASHES). A cue on both lists counts
-    as the user's own; naming the feeling ("feel", "hurt": `acknowledge`) is no other goal."""
-    own_cues = GOAL_WORDS.get(goal_type, [])
-    if not own_cues:
+    as the user's own; naming the feeling ("feel", "hurt": `acknowledge`) is no other goal; a cue
+    the user's line `said` is its word said back (`reflect` pays that), no cue of the agent's."""
+    said, low = said.lower(), reply.lower()
+    own_cues = [k for k in GOAL_WORDS.get(goal_type, []) if not _hits(said, [k])]
+    if goal_type not in GOAL_WORDS:
         return 0, 0, 0
-    low = reply.lower()
     family = [t for t in GOAL_WORDS if (t in CHITCHAT_GOALS) == (goal_type in CHITCHAT_GOALS) and t != goal_type]
-    general = set(own_cues) | set(FEATURE_WORDS["acknowledge"])
-    others = {t: _hits(low, [k for k in GOAL_WORDS[t] if k not in general]) for t in family}
+    general = set(GOAL_WORDS[goal_type]) | set(FEATURE_WORDS["acknowledge"])
+    others = {t: _hits(low, [k for k in GOAL_WORDS[t] if k not in general and not _hits(said, [k])]) for t in family}
     return _hits(low, own_cues), sum(others.values()), sum(others[t] for t in GOAL_CLASHES.get(goal_type, {}))
 
 
@@ -182,7 +182,8 @@ class RuleBackend:
         Chinese character counts half a word): `reflect` pays reusing the user's words in a
         sentence of one's own, not copying "I'm still upset, ..." back at the user.
         `unfinished` is 1 for a reply that does not end a sentence: cut off by the token cap
-        mid-sentence, it reads as broken, and a longer reply must not earn more by running on.
+        mid-sentence, it reads as broken; and the care features and `echo` grade only its finished
+        sentences (finished_part: a run paid more by the feeling words of a run-on tail than -2).
         `self_talk` grades speaking as if it were the person: the first person outside an agent's
         frames (SELF_TALK, AGENT_FRAMES: "I'm sorry I'm not getting it. How can I ...?"; once 0.5,
         twice 1; not in chit-chat); a feeling said of oneself ("I feel hurt") is none of theirs.
@@ -190,7 +191,8 @@ class RuleBackend:
         What the person needs (issue 50): `goal` grades the cues of the user's goal type (two: 1)
         times their share of all the goal cues of its family (goal_words): a reply that strings
         advice, praise, validation and "tell me more" together earns a fraction of it for any
-        goal, not all of it. `clash` grades the cues of a goal type that fails this user
+        goal, not all of it; a cue the user's last line said ("another side", the hint) is its own
+        word said back, not the goal served. `clash` grades the cues of a goal type that fails this user
         (GOAL_CLASHES: advice to someone who came to vent, ...; one cue 0.5, two 1). And a reply
         with no content word ("Go on. How so?") is said again in its words: `echo` then counts
         all its words, which a second "Go on. How so?" has all said before."""
@@ -202,29 +204,31 @@ class RuleBackend:
             length_ok = min(1.0, len(words) / 5)  # full credit from 5 words
         else:
             length_ok = max(0.0, 1 - (len(words) - 80) / 80)  # a wall of text: none from 160
+        heard = finished_part(reply)  # care is paid for what ends a sentence; a cut-off tail is noise
+        hlow, hwords = heard.lower().replace("’", "'"), word_list(heard)
         open_question = 0.0
-        if "?" in reply or "？" in reply:
+        if "?" in heard or "？" in heard:
             open_question = 0.5  # a question; an open one ("how", "what", ...) counts fully
-            if any(k in low for k in FEATURE_WORDS["open_question"]):
+            if any(k in hlow for k in FEATURE_WORDS["open_question"]):
                 open_question = 1.0
         repetition = 0.0
         if len(content) >= 4:
             repetition = 1 - len(set(content)) / len(content)  # share of repeated content words
-        mine, said = content_words(reply), content_words(earlier)
+        mine, said = content_words(heard or reply), content_words(earlier)
         if not mine:  # no content word: the same short words said again are the same line again
-            mine, said = set(words), set(word_list(earlier))
+            mine, said = set(word_list(heard or reply)), set(word_list(earlier))
         echo = len(mine & said) / len(mine) if mine else 0.0
-        theirs = re.sub(SELF_FEELING["zh"], " ", re.sub(SELF_FEELING["en"], " ", low))  # not the person's
+        theirs = [re.sub(SELF_FEELING["zh"], " ", re.sub(SELF_FEELING["en"], " ", t)) for t in (hlow, low)]
         talk = len(re.findall(SELF_TALK, re.sub(AGENT_FRAMES, " ", low)))  # the first person, as the person
-        own, stray, clash = goal_words(theirs, goal_type)
-        acks = {k for k in FEATURE_WORDS["acknowledge"] if k in theirs}
+        (own, stray, _), (_, _, clash) = (goal_words(t, goal_type, last_user) for t in theirs)
+        acks = {k for k in FEATURE_WORDS["acknowledge"] if k in theirs[0]}
         new_acks = acks - {k for k in acks if k in earlier.lower()}
         acknowledge = 0.0 if not acks else 1.0 if new_acks else 0.5
         return {
             "readable": len(_READABLE.findall(reply)) / (len(reply) or 1),
             "length_ok": length_ok,
             "acknowledge": acknowledge,
-            "reflect": min(1.0, len(user_words & set(words)) / 2),
+            "reflect": min(1.0, len(user_words & set(hwords)) / 2),
             "open_question": open_question,
             "goal": min(1.0, own / 2) * own / (own + stray) if own else 0.0,
             "repetition": repetition,

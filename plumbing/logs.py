@@ -18,7 +18,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plumbing.checkpoints import append_line  # noqa: E402
-from rule_user import RuleBackend, content_words, ends_sentence, goal_words, questions, word_list  # noqa: E402
+from rule_user import RuleBackend, content_words, ends_sentence, questions, word_list  # noqa: E402
 
 log = logging.getLogger("train")
 
@@ -105,8 +105,9 @@ def reply_measures(history: list[dict], goal_type: str = "") -> list[dict]:
     content words an earlier reply of the dialogue already used (repeat; all its words when it
     has no content word: a second "Go on. How so?" is a repeat), its tics (the times it says a
     word, not a function word, that most of the dialogue's replies say: a run learned to say
-    "too" 1.05 times a reply), whether its goal words fit the user's goal (goal_fit: the user's
-    own and none of a goal type that clashes, rule_user.GOAL_CLASHES; None without a goal type),
+    "too" 1.05 times a reply), whether its goal words fit the user's goal (goal_fit: some of the
+    user's own, in a finished sentence and not its own line's, and none of a goal type that
+    clashes, rule_user.GOAL_CLASHES: the rule user's `goal` > 0 and `clash` 0; None without one),
     and each of the rule user's features (rule_user.RuleBackend.features, in [0, 1])."""
     rule, used, used_all, earlier, out = RuleBackend(), set(), set(), "", []
     replies = [(k, m["content"]) for k, m in enumerate(history) if m.get("role") in AGENT_ROLES]
@@ -122,11 +123,11 @@ def reply_measures(history: list[dict], goal_type: str = "") -> list[dict]:
             repeat = len(content & used) / len(content)
         else:
             repeat = len(set(words) & used_all) / len(set(words)) if words else 0.0
-        own, _, clash = goal_words(text, goal_type)
+        f = rule.features(text, last_user, goal_type, earlier)
         out.append({"words": len(words), "ends_sentence": float(ends_sentence(text)),
                     "questions": questions(text), "repeat": repeat, "tic": sum(w in tics for w in words),
-                    "goal_fit": float(own > 0 and clash == 0) if goal_type else None,
-                    **{f"rule_{f}": v for f, v in rule.features(text, last_user, goal_type, earlier).items()}})
+                    "goal_fit": float(f["goal"] > 0 and f["clash"] == 0) if goal_type else None,
+                    **{f"rule_{k}": v for k, v in f.items()}})
         used |= content
         used_all |= set(words)
         earlier += " " + text

@@ -64,21 +64,21 @@ GOAL_WORDS.update({  # chit-chat intentions (simulator.CHITCHAT_GOALS)
 })
 # The user's hint at its hidden goal, said with every answer at levels 2-4 (the standard user;
 # the challenging one never hints): what a reader of the transcript needs to tell what the
-# person wants (each names it; tests/test_rule_user.py checks each leads to its own goal).
+# person wants, in none of GOAL_WORDS' cues (said back, "another side" served no goal: issue 50).
 GOAL_HINTS = {
     "en": {"advice": "What should I actually do next?", "analyze_others": "Why would they act like that?",
-           "dialectical": "Is there another side to this I'm not seeing?",
-           "self_reflection": "Was any of this on me?", "empathy": "I just want someone to feel this with me.",
-           "venting": "I don't need fixing. I just need to let it out.",
+           "dialectical": "Am I only seeing half of this?",
+           "self_reflection": "Was any of this on me?", "empathy": "I just want someone to be in this with me.",
+           "venting": "I don't need fixing. I just need to say it.",
            "praise": "I worked so hard on this, you know.", "validation": "Tell me I wasn't wrong.",
-           "interest_chat": "I could talk about this all day.", "passive_chat": "Anyway. What about you?",
-           "sharing_chat": "You won't believe what happened next!", "opinion_chat": "What's your take on it?",
+           "interest_chat": "I could talk about this all day.", "passive_chat": "Anyway. Enough about me.",
+           "sharing_chat": "You won't believe the rest of it!", "opinion_chat": "What's your take on it?",
            "": ""},
     "zh": {"advice": "我接下来到底该怎么做？", "analyze_others": "他们为什么会那样做？",
            "dialectical": "这件事是不是还有另一面我没看到？", "self_reflection": "这里面有我自己的问题吗？",
-           "empathy": "我只是想有人能体会我的感受。", "venting": "我不需要建议，我就是想说出来。",
+           "empathy": "我只是想有人能懂我现在的心情。", "venting": "我不用你帮我解决，我就是想说出来。",
            "praise": "我真的为这件事很努力了。", "validation": "告诉我我没做错。",
-           "interest_chat": "这个话题我能聊一整天。", "passive_chat": "不说我了，你呢？",
+           "interest_chat": "这个话题我能聊一整天。", "passive_chat": "不说我了，换你说说。",
            "sharing_chat": "你都想不到后来发生了什么！", "opinion_chat": "你怎么看这件事？", "": ""},
 }
 OPENING = {"en": "Can I talk to you?", "zh": "能和你聊聊吗？"}  # + the background's first sentence

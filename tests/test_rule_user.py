@@ -336,6 +336,50 @@ def test_every_goal_has_a_hint_a_reader_can_tell_apart_said_at_every_middle_leve
         assert answers and all(GOAL_HINTS["en"][goal] in a for a in answers), answers
 
 
+def test_no_hint_says_a_goal_cue_and_the_users_words_said_back_serve_no_goal():
+    """Issue 50, after two runs: "another side" was both the dialectical user's hint and one of
+    its goal cues ("feel" the empathy user's), so a reply that said the hint back earned `goal`
+    and held-out `goal_fit` (empathy 0.00 -> 0.67) without weighing anything. No hint now says
+    any goal type's cue, and a cue the user's last line said is no goal served (`reflect` pays
+    the user's words), while the goal's own words still pay."""
+    from plumbing.rule_words import GOAL_HINTS, GOAL_WORDS
+    from rule_user import _hits
+    said = [(lang, g, t) for lang, hints in GOAL_HINTS.items() for g, h in hints.items() for t, cues in GOAL_WORDS.items()
+            if _hits(h.lower(), cues)]
+    assert not said, said
+    f = RuleBackend().features
+    user = "I don't know... it still feels bad. Is there another side to this I'm not seeing?"
+    echo = f("There is another side to this.", user, "dialectical")
+    weighed = f("On one hand you were hurt; on the other, they may not have known.", user, "dialectical")
+    assert echo["goal"] == 0.0 and echo["reflect"] > 0 and weighed["goal"] == 1.0
+    assert f("There is another side to this.", "", "dialectical")["goal"] > 0  # not said by the user: its own
+    assert f("你不用听建议，我在，继续说。", "我不需要建议，我就是想说出来。", "venting")["clash"] == 0.0
+    from plumbing.logs import reply_measures
+    history = [{"role": "user", "content": user}, {"role": "assistant", "content": "There is another side to this."}]
+    assert reply_measures(history, "dialectical")[0]["goal_fit"] == 0.0
+
+
+def test_a_cut_off_tail_pays_no_care():
+    """Issue 50's second run ran on to the 40-token cap in 95% of its replies: the feeling words
+    and goal cues of a run-on tail paid more than `unfinished` (-2) docked. The care features
+    and `echo` now grade only the finished sentences (rule_user.finished_part), so a reply cut
+    off mid-sentence earns less than its finished part alone."""
+    from rule_user import finished_part
+    assert finished_part("That sounds hard. I feel") == "That sounds hard."
+    assert finished_part('He said "no." And then') == 'He said "no."' and finished_part("我明白。你") == "我明白。"
+    assert finished_part("no end at all") == "" and finished_part("Done.") == "Done."
+    user = "My sister never calls me back."
+    short = "That sounds lonely."
+    run_on = short + " It must be hard to feel alone and hurt, and it is so painful when your sister never"
+    f = RuleBackend().features
+    assert f(run_on, user, "empathy")["goal"] == 0.0 and f(run_on, user, "empathy")["reflect"] == 0.0
+    assert score_before_rounding(run_on, "empathy", last_user=user) < score_before_rounding(short, "empathy", last_user=user)
+    cut = "It must be hard to feel alone and hurt when your sister never"  # no finished sentence: no care
+    assert all(f(cut, user, "empathy")[k] == 0.0 for k in RuleBackend.CARE)
+    stale = "It sounds lonely. Your sister never calls. Brand new words running past every"  # the tail is no news
+    assert f(stale, user, "empathy", earlier="It sounds lonely. Your sister never calls.")["echo"] == 1.0
+
+
 def test_goal_fit_per_goal_type_in_the_reply_statistics():
     """Issue 50 item 3: evaluate.py --reply-stats gives goal_fit, the share of replies whose goal
     cues are the user's own and none of a clashing type, over all replies and per goal type."""
