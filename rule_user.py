@@ -72,7 +72,8 @@ GOAL_CLASHES = {
 
 
 # A reply ends a sentence when its last mark ends one (a closing quote or bracket may follow).
-_SENTENCE_END = re.compile(r"[.!?。！？…][\"'”’)\]]*\s*$")
+_END = r"[.!?。！？…][\"'”’)\]」』）]*"
+_SENTENCE_END = re.compile(_END + r"\s*$")
 
 
 def ends_sentence(text: str) -> bool:
@@ -84,7 +85,7 @@ def ends_sentence(text: str) -> bool:
 def finished_part(text: str) -> str:
     """`text` up to the end of its last finished sentence ("" when it finishes none): what the
     user takes in of a reply the token cap cut off (RuleBackend.features pays care for no more)."""
-    m = re.match(r".*[.!?。！？…][\"'”’)\]]*", text, re.S)
+    m = re.match(".*" + _END, text, re.S)
     return text if ends_sentence(text) else m.group(0) if m else ""
 
 
@@ -120,14 +121,17 @@ def goal_words(reply: str, goal_type: str, said: str = "") -> tuple[int, int, in
     goal types of its family (the eight of GOAL_CLASHES' kind, or the chit-chat intentions), and
     those of the goal types that clash with the user's (GOAL_CLASHES). A cue on both lists counts
     as the user's own; naming the feeling ("feel", "hurt": `acknowledge`) is no other goal; a cue
-    the user's line `said` is its word said back (`reflect` pays that), no cue of the agent's."""
-    said, low = said.lower(), reply.lower()
-    own_cues = [k for k in GOAL_WORDS.get(goal_type, []) if not _hits(said, [k])]
+    of its own the user's last line `said` (a whole word, or 2+ Chinese characters) is its word
+    said back, not the goal served (a clashing cue said back still clashes: "Okay... go on.")."""
+    said, low = said.lower().replace("’", "'"), reply.lower()
+    def said_back(k: str) -> bool:
+        return bool(re.search(r"(?<![a-z'])" + re.escape(k) + r"(?![a-z'])", said)) if k.isascii() else len(k) > 1 and k in said
+    own_cues = [k for k in GOAL_WORDS.get(goal_type, []) if not said_back(k)]
     if goal_type not in GOAL_WORDS:
         return 0, 0, 0
     family = [t for t in GOAL_WORDS if (t in CHITCHAT_GOALS) == (goal_type in CHITCHAT_GOALS) and t != goal_type]
     general = set(GOAL_WORDS[goal_type]) | set(FEATURE_WORDS["acknowledge"])
-    others = {t: _hits(low, [k for k in GOAL_WORDS[t] if k not in general and not _hits(said, [k])]) for t in family}
+    others = {t: _hits(low, [k for k in GOAL_WORDS[t] if k not in general]) for t in family}
     return _hits(low, own_cues), sum(others.values()), sum(others[t] for t in GOAL_CLASHES.get(goal_type, {}))
 
 
@@ -137,10 +141,8 @@ _READABLE = re.compile(r"[A-Za-z .,!?'\u4e00-\u9fff]")  # an ASCII letter, space
 class RuleBackend:
     """Offline simulated user: scores a reply on interpretable features and writes templated
     lines. Deterministic given (seed, scenario, turn, reply). The simulated user of every offline
-    run (--simulator rule), of the tests, and of evaluate.py --reply-stats.
-
-    Every feature is graded in [0, 1] so that even a randomly initialised policy gets a reward
-    signal to climb (e.g. `readable` rises as output looks more like words)."""
+    run (--simulator rule), of the tests, and of evaluate.py --reply-stats. Every feature is in
+    [0, 1], graded: even a random policy gets a signal to climb (`readable` rises as it writes words)."""
 
     parallel = False
     WEIGHTS = {"readable": 3.0, "length_ok": 1.0, "acknowledge": 2.0, "reflect": 1.5,
@@ -182,8 +184,8 @@ class RuleBackend:
         Chinese character counts half a word): `reflect` pays reusing the user's words in a
         sentence of one's own, not copying "I'm still upset, ..." back at the user.
         `unfinished` is 1 for a reply that does not end a sentence: cut off by the token cap
-        mid-sentence, it reads as broken; and the care features and `echo` grade only its finished
-        sentences (finished_part: a run paid more by the feeling words of a run-on tail than -2).
+        mid-sentence, it reads as broken; care is graded on its finished sentences (finished_part: a
+        run-on tail's feeling words paid a run more than -2), `echo` on the more echoing of the two.
         `self_talk` grades speaking as if it were the person: the first person outside an agent's
         frames (SELF_TALK, AGENT_FRAMES: "I'm sorry I'm not getting it. How can I ...?"; once 0.5,
         twice 1; not in chit-chat); a feeling said of oneself ("I feel hurt") is none of theirs.
@@ -191,8 +193,8 @@ class RuleBackend:
         What the person needs (issue 50): `goal` grades the cues of the user's goal type (two: 1)
         times their share of all the goal cues of its family (goal_words): a reply that strings
         advice, praise, validation and "tell me more" together earns a fraction of it for any
-        goal, not all of it; a cue the user's last line said ("another side", the hint) is its own
-        word said back, not the goal served. `clash` grades the cues of a goal type that fails this user
+        goal, not all of it; a cue of its own the user's last line said (a hint that once said
+        "another side") is its word said back, not the goal served. `clash` grades the cues of a goal type that fails this user
         (GOAL_CLASHES: advice to someone who came to vent, ...; one cue 0.5, two 1). And a reply
         with no content word ("Go on. How so?") is said again in its words: `echo` then counts
         all its words, which a second "Go on. How so?" has all said before."""
@@ -200,10 +202,8 @@ class RuleBackend:
         words = word_list(reply)
         user_words = content_words(last_user)
         content = [w for w in words if len(w) >= 5]  # skip short function words
-        if len(words) <= 80:
-            length_ok = min(1.0, len(words) / 5)  # full credit from 5 words
-        else:
-            length_ok = max(0.0, 1 - (len(words) - 80) / 80)  # a wall of text: none from 160
+        # full credit from 5 words; a wall of text: none from 160
+        length_ok = min(1.0, len(words) / 5) if len(words) <= 80 else max(0.0, 1 - (len(words) - 80) / 80)
         heard = finished_part(reply)  # care is paid for what ends a sentence; a cut-off tail is noise
         hlow, hwords = heard.lower().replace("’", "'"), word_list(heard)
         open_question = 0.0
@@ -214,10 +214,10 @@ class RuleBackend:
         repetition = 0.0
         if len(content) >= 4:
             repetition = 1 - len(set(content)) / len(content)  # share of repeated content words
-        mine, said = content_words(heard or reply), content_words(earlier)
-        if not mine:  # no content word: the same short words said again are the same line again
-            mine, said = set(word_list(heard or reply)), set(word_list(earlier))
-        echo = len(mine & said) / len(mine) if mine else 0.0
+        def echo_of(text: str) -> float:  # its content words (all its words when none) said earlier
+            mine, said = (content_words(text), content_words(earlier)) if content_words(text) else (set(word_list(text)), set(word_list(earlier)))
+            return len(mine & said) / len(mine) if mine else 0.0
+        echo = max(echo_of(heard), echo_of(reply))  # a new tail does not dilute it, nor a new first sentence hide it
         theirs = [re.sub(SELF_FEELING["zh"], " ", re.sub(SELF_FEELING["en"], " ", t)) for t in (hlow, low)]
         talk = len(re.findall(SELF_TALK, re.sub(AGENT_FRAMES, " ", low)))  # the first person, as the person
         (own, stray, _), (_, _, clash) = (goal_words(t, goal_type, last_user) for t in theirs)

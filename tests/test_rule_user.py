@@ -318,8 +318,8 @@ def test_a_reply_that_strings_every_goal_together_earns_a_fraction_of_any():
 
 def test_every_goal_has_a_hint_a_reader_can_tell_apart_said_at_every_middle_level():
     """Issue 50 item 2: the user's hint at its hidden goal, in both languages, for every goal
-    type and chit-chat intention: present, each different, each with a cue of its own goal type
-    or naming it, and said with every answer at levels 2-4 (was: half of them)."""
+    type and chit-chat intention: present, each different, and said with every answer at levels
+    2-4 (was: half of them). None says a goal cue: test_no_hint_says_a_goal_cue_..."""
     from plumbing.scenarios import GOAL_TYPES
     from plumbing.rule_words import GOAL_HINTS
     from simulator import CHITCHAT_GOALS
@@ -353,7 +353,12 @@ def test_no_hint_says_a_goal_cue_and_the_users_words_said_back_serve_no_goal():
     weighed = f("On one hand you were hurt; on the other, they may not have known.", user, "dialectical")
     assert echo["goal"] == 0.0 and echo["reflect"] > 0 and weighed["goal"] == 1.0
     assert f("There is another side to this.", "", "dialectical")["goal"] > 0  # not said by the user: its own
-    assert f("你不用听建议，我在，继续说。", "我不需要建议，我就是想说出来。", "venting")["clash"] == 0.0
+    # the said-back filter spares the agent's own cues only, and takes the user's whole words (review)
+    assert f("Go on, tell me more.", "Okay... go on. What should I actually do next?", "advice")["clash"] == 1.0
+    from rule_user import goal_words
+    assert goal_words("Maybe you could try a small step.", "advice", "I keep trying to fix my stepmother thing.")[0] == 4
+    assert goal_words("我也喜欢这个！", "interest_chat", "也许吧，挺复杂的。")[0] == 2  # 也 alone is no word said back
+    assert f("I'm here. Go on.", "I’m here again.", "venting")["goal"] == 0.5  # a curly apostrophe in the user's line
     from plumbing.logs import reply_measures
     history = [{"role": "user", "content": user}, {"role": "assistant", "content": "There is another side to this."}]
     assert reply_measures(history, "dialectical")[0]["goal_fit"] == 0.0
@@ -378,6 +383,11 @@ def test_a_cut_off_tail_pays_no_care():
     assert all(f(cut, user, "empathy")[k] == 0.0 for k in RuleBackend.CARE)
     stale = "It sounds lonely. Your sister never calls. Brand new words running past every"  # the tail is no news
     assert f(stale, user, "empathy", earlier="It sounds lonely. Your sister never calls.")["echo"] == 1.0
+    said = "That sounds so hard and lonely, how are you holding up with all of it?"  # nor a new first sentence (review)
+    assert f("Ok. That sounds so hard and lonely, how are you holding up with all", user, "empathy", said)["echo"] == 1.0
+    assert f("I hear you. You could try to make a plan and", "", "venting")["clash"] == 1.0  # a tail's cost stays
+    assert f("I hear you. Whatever, calm down and", "", "venting")["dismissive"] == 1.0
+    assert finished_part("他说「好。」然后") == "他说「好。」"
 
 
 def test_goal_fit_per_goal_type_in_the_reply_statistics():
