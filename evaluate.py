@@ -62,6 +62,7 @@ from transformers import HfArgumentParser  # noqa: E402
 
 from judge import (STRATEGIES, LLMJudge, RuleJudge, capability_summary, judge_all, plot_strategies,  # noqa: E402
                    strategy_stats)
+from logprobs import token_logprobs  # noqa: E402
 from plumbing import models  # noqa: E402
 from plumbing.backends import (Asker, CachedBackend, EndpointError, OpenAIBackend, SimulatorArgs, describe,  # noqa: E402
                                identity, make_backend, make_simulator)
@@ -262,18 +263,48 @@ def resume_transcripts(path: str, replay_errors: bool = True) -> dict:
     return done
 
 
-def reply_stats(records: list[dict], goal_types: dict | None = None) -> dict:
+@torch.no_grad()
+def reply_fluency(model, tok, history: list[dict]) -> list[float | None]:
+    """Each agent reply's mean log-probability per token (nats) under `model` (--fluency-model,
+    the base model), read as the next chat turn after the dialogue before it (the model's chat
+    template, no system prompt): how a fluent speaker expects those words. The rule user counts
+    readable characters, not grammar; a run it paid for broken sentences ("It soundsterious?",
+    "It feels overwhelming to put - right?": docs/LEARNING.md) reads as unlikely here. None for
+    an empty reply."""
+    out = []
+    for k, m in enumerate(history):
+        if m.get("role") not in AGENT_ROLES:
+            continue
+        before = [{"role": "assistant" if h.get("role") in AGENT_ROLES else "user", "content": h["content"]}
+                  for h in history[:k]]
+        prompt = tok(tok.apply_chat_template(before, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False).input_ids
+        reply = tok(m["content"], add_special_tokens=False).input_ids
+        if not reply:
+            out.append(None)
+            continue
+        ids = torch.tensor([prompt + reply], device=next(model.parameters()).device)
+        out.append(token_logprobs(model, ids, torch.ones_like(ids))[0, len(prompt):].mean().item())
+    return out
+
+
+def reply_stats(records: list[dict], goal_types: dict | None = None, fluency=None) -> dict:
     """What the agent's spoken replies look like, to tell empathy from gaming the offline rule
     user (plumbing.logs.reply_measures: words, sentences, questions, repeats and the rule user's
     features), the mean over the replies of the scored dialogues; `goal_types`: each scenario
     id's goal type, for the rule user's goal feature and goal_fit, which is also given per goal
     type (goal_fit[venting], ...: the share of that type's replies that serve it and clash with
-    nothing, rule_user.GOAL_CLASHES)."""
+    nothing, rule_user.GOAL_CLASHES); `fluency`: history -> each reply's fluency (reply_fluency
+    with --fluency-model), its mean given as `fluency` (nats per token)."""
     ok = [r for r in records if r.get("valid", True) and r.get("outcome") != "simulator_error"]
     by_type = {}
     for r in ok:
         goal = (goal_types or {}).get(r.get("scenario_id"), "")
-        by_type.setdefault(goal, []).extend(reply_measures(r.get("history", []), goal))
+        measures = reply_measures(r.get("history", []), goal)
+        if fluency is not None:
+            for m, f in zip(measures, fluency(r.get("history", []))):
+                m["fluency"] = f
+        by_type.setdefault(goal, []).extend(measures)
     stats = reply_means([m for ms in by_type.values() for m in ms])
     for goal in sorted(g for g in by_type if g):
         stats[f"goal_fit[{goal}]"] = mean([m["goal_fit"] for m in by_type[goal]])
@@ -707,6 +738,9 @@ def build_parser() -> HfArgumentParser:
     ap.add_argument("--judge-workers", type=int, default=8, help="judge calls in flight at once")
     ap.add_argument("--reply-stats", action="store_true",
                     help="also print what the replies look like (words, sentences, repeats, the rule user's features)")
+    ap.add_argument("--fluency-model", default="",
+                    help="with --reply-stats: also each reply's mean log-prob per token under this model (the base "
+                         "model, e.g. smollm2): broken sentences the rule user cannot see score low")
     ap.add_argument("--output-dir", default="eval")
     return ap
 
@@ -745,6 +779,10 @@ def main(argv=None):
                     raise InputError(problem)
             if board:
                 check_same_profiles(board, {sc.id for sc in scenarios}, args.leaderboard)
+        if args.fluency_model:
+            if not args.reply_stats:
+                raise InputError("--fluency-model: give --reply-stats too (fluency is one of the reply statistics)")
+            check_model_arg("--fluency-model", args.fluency_model)
         make_output_dir("--output-dir", args.output_dir)
         # One evaluation per output directory: two at once would play and pay every dialogue
         # twice and write each id twice into the same transcripts (held until this process exits).
@@ -834,7 +872,11 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
         print()
         print(format_strategy_table(strategies))
     goal_types = {sc.id: sc.goal_type for sc in scenarios}
-    replies = {name: reply_stats(recs, goal_types) for name, recs in results.items()} if args.reply_stats else {}
+    fluency = None
+    if args.reply_stats and args.fluency_model:
+        reader, reader_tok = load_for_eval(args.fluency_model, args.seed)
+        fluency = lambda history: reply_fluency(reader, reader_tok, history)  # noqa: E731
+    replies = {name: reply_stats(recs, goal_types, fluency) for name, recs in results.items()} if args.reply_stats else {}
     if any(replies.values()):
         print()
         print(format_reply_stats(replies))

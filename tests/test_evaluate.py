@@ -265,6 +265,8 @@ def test_a_torn_transcript_line_is_dropped_and_its_dialogue_replayed(tmp_path):
     (["--scenarios", "DEEP"], "deep.jsonl:1: JSON nested too deeply"),
     # issue 38 item 8: passed the check, then OverflowError in plumbing/engines.py
     (["--engine", "vllm", "--vllm-kv-cache-gb", "inf"], "--vllm-kv-cache-gb inf: must be a number in (0, 10000]"),
+    (["--fluency-model", "tiny"], "--fluency-model: give --reply-stats too"),
+    (["--reply-stats", "--fluency-model", "./nope"], "--fluency-model ./nope"),
 ])
 def test_bad_flags_are_one_line_errors(flags, msg, tmp_path, capsys):
     """Item 10: each used to be a traceback (after the model loaded) or accepted silently."""
@@ -727,6 +729,44 @@ def test_reply_stats_count_questions_sentences_and_repeats_by_hand():
     # the second repeats 2 of its 4
     assert s["repeat_rate"] == (0 + 2 / 4) / 2
     assert s["rule_stacked"] == (1.0 + 0.0) / 2 and s["rule_unfinished"] == 0.5
+
+
+def test_reply_fluency_is_the_mean_logprob_of_the_reply_tokens_under_the_reader(tmp_path, capsys):
+    """Issue 50, run 3: the rule user paid broken sentences that name a feeling ("It feels
+    overwhelming to put - right?"); --fluency-model reports each reply's mean log-probability
+    per token under a reader model given the dialogue before it. Checked against a forward pass
+    worked out here (log_softmax of the logits, the reply's tokens), and end to end: the
+    summary's `fluency` is the mean over the transcripts' replies."""
+    from evaluate import reply_fluency, reply_stats
+    from plumbing.models import make_tiny_policy
+    model, tok = make_tiny_policy(seed=3, words=True)
+    model.eval()
+    history = [{"role": "user", "content": "I failed my exam."}, {"role": "assistant", "content": "That sounds hard."},
+               {"role": "user", "content": "I froze."}, {"role": "assistant", "content": "What happened then?"},
+               {"role": "assistant", "content": ""}]
+    got = reply_fluency(model, tok, history)
+    assert len(got) == 3 and got[2] is None
+    for k, value in ((1, got[0]), (3, got[1])):
+        before = [{"role": m["role"], "content": m["content"]} for m in history[:k]]
+        prompt = tok(tok.apply_chat_template(before, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False).input_ids
+        reply = tok(history[k]["content"], add_special_tokens=False).input_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + reply])).logits[0].double().log_softmax(-1)
+        want = sum(logits[len(prompt) - 1 + i, t].item() for i, t in enumerate(reply)) / len(reply)
+        assert value == pytest.approx(want, abs=1e-5) and value < 0
+    rec = {"scenario_id": "x", "history": history[:4], "valid": True, "outcome": "max_turns"}
+    assert reply_stats([rec], fluency=lambda h: reply_fluency(model, tok, h))["fluency"] == pytest.approx(
+        (got[0] + got[1]) / 2)
+    out = tmp_path / "out"
+    assert main(["--model", "tiny", "--limit", "2", "--max-new-tokens", "8", "--max-turns", "2", "--reply-stats",
+                 "--fluency-model", "tiny", "--output-dir", str(out)]) == 0
+    assert "fluency" in capsys.readouterr().out
+    reader, reader_tok = make_tiny_policy(seed=0, words=True)  # --fluency-model tiny at --seed 0
+    reader.eval()
+    recs = [json.loads(line) for line in open(out / "tiny" / "transcripts.jsonl")]
+    values = [v for r in recs for v in reply_fluency(reader, reader_tok, r["history"]) if v is not None]
+    assert json.load(open(out / "summary.json"))["reply_stats"]["tiny"]["fluency"] == pytest.approx(sum(values) / len(values))
 
 
 # ---------------------------------------------------------------- issue 38: faults, round four

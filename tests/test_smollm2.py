@@ -247,3 +247,19 @@ def test_the_smollm2_cpu_preset_starts_trains_and_saves(tmp_path):
         assert (r.get("sampler_logprob_diff_mean") is not None) == (engine == "vllm")
     assert (tmp_path / "final" / "model.safetensors").is_file() and (tmp_path / "reward_curve.png").is_file()
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000001", "step_000002"]
+
+
+@needs_wheel
+def test_the_base_model_reads_run_3s_broken_sentences_as_less_fluent(model, tok):
+    """Issue 50, run 3: its held-out replies were short broken sentences that name a feeling,
+    which the rule user (characters, cue words) paid. Read by SmolLM2 (evaluate.py
+    --fluency-model smollm2), each is less likely per token than a sentence a person would say
+    with the same words of care."""
+    from evaluate import reply_fluency
+    user = {"role": "user", "content": "They cut my hours for the new trainer."}
+    pairs = [("It feels overwhelming to put - right?", "That sounds overwhelming. How are you holding up?"),
+             ("It soundsterious?", "That sounds so hard."),
+             ("You're not alone to be – and you know it!", "You're not alone in this, and you know that.")]
+    for broken, fluent in pairs:
+        b, f = (reply_fluency(model, tok, [user, {"role": "assistant", "content": r}])[0] for r in (broken, fluent))
+        assert b < f, (broken, b, fluent, f)
