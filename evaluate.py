@@ -267,22 +267,24 @@ def resume_transcripts(path: str, replay_errors: bool = True) -> dict:
 def reply_fluency(model, tok, history: list[dict]) -> list[float | None]:
     """Each agent reply's mean log-probability per token (nats) under `model` (--fluency-model,
     the base model), read as the next chat turn after the dialogue before it (the model's chat
-    template, no system prompt): how a fluent speaker expects those words. The rule user counts
-    readable characters, not grammar; a run it paid for broken sentences ("It soundsterious?",
-    "It feels overwhelming to put - right?": docs/LEARNING.md) reads as unlikely here. None for
-    an empty reply."""
+    template with no system prompt of ours: its default one, where it has one, as SmolLM2's):
+    how a fluent speaker expects those words. The rule user counts readable characters, not
+    grammar; a run it paid for broken sentences ("It soundsterious?", "It feels overwhelming to
+    put - right?": docs/LEARNING.md) reads as unlikely here. Words taken from the dialogue are
+    likely too, so higher is not simply better. None for an empty reply, or one nothing precedes
+    (another system's transcript that opens with the agent)."""
     out = []
     for k, m in enumerate(history):
         if m.get("role") not in AGENT_ROLES:
             continue
         before = [{"role": "assistant" if h.get("role") in AGENT_ROLES else "user", "content": h["content"]}
                   for h in history[:k]]
-        prompt = tok(tok.apply_chat_template(before, tokenize=False, add_generation_prompt=True),
-                     add_special_tokens=False).input_ids
         reply = tok(m["content"], add_special_tokens=False).input_ids
-        if not reply:
+        if not reply or not before:
             out.append(None)
             continue
+        prompt = tok(tok.apply_chat_template(before, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False).input_ids
         ids = torch.tensor([prompt + reply], device=next(model.parameters()).device)
         out.append(token_logprobs(model, ids, torch.ones_like(ids))[0, len(prompt):].mean().item())
     return out
@@ -681,6 +683,8 @@ def make_judge(args):
 def check_eval_args(args):
     """Flag values a run cannot mean: one line naming the flag (raised before any heavy work)."""
     check_floats(args)  # every float flag (plumbing.checks.FLOAT_RANGES)
+    if args.fluency_model and not args.reply_stats:
+        raise InputError("--fluency-model: give --reply-stats too (fluency is one of the reply statistics)")
     checks = [  # (flag, does its value hold, what it must be)
         ("--batch-size", args.batch_size >= 1, ">= 1"),
         ("--max-turns", args.max_turns >= 1, ">= 1"),
@@ -779,10 +783,17 @@ def main(argv=None):
                     raise InputError(problem)
             if board:
                 check_same_profiles(board, {sc.id for sc in scenarios}, args.leaderboard)
-        if args.fluency_model:
-            if not args.reply_stats:
-                raise InputError("--fluency-model: give --reply-stats too (fluency is one of the reply statistics)")
+        if args.fluency_model:  # the reader is loaded after every model has played: its problems are found now
             check_model_arg("--fluency-model", args.fluency_model)
+            name = args.fluency_model
+            try:
+                reader_tok = models.make_tiny_word_tokenizer() if name == "tiny" else models.load_tokenizer(
+                    models.resolve_model(name))
+            except (OSError, ValueError) as e:
+                raise InputError(f"--fluency-model {name}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
+            if not getattr(reader_tok, "chat_template", None):
+                raise InputError(f"--fluency-model {name}: its tokenizer has no chat template to read a dialogue "
+                                 f"with (give the instruct model the policy started from)")
         make_output_dir("--output-dir", args.output_dir)
         # One evaluation per output directory: two at once would play and pay every dialogue
         # twice and write each id twice into the same transcripts (held until this process exits).
@@ -890,6 +901,7 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
                                 "think": args.think, "temperature": args.temperature, "seed": args.seed,
                                 "sampling": sampling_settings(RolloutConfig(temperature=args.temperature)),
                                 "max_new_tokens": args.max_new_tokens, "eval_prompt": prompt_record,
+                                "fluency_model": args.fluency_model if fluency else None,
                                 "scenarios": args.scenarios if args.model else None},
                    "judge": None if judge is None else judge.name,
                    "results": summaries, "strategies": strategies, **({"reply_stats": replies} if replies else {})},

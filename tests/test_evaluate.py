@@ -746,6 +746,7 @@ def test_reply_fluency_is_the_mean_logprob_of_the_reply_tokens_under_the_reader(
                {"role": "assistant", "content": ""}]
     got = reply_fluency(model, tok, history)
     assert len(got) == 3 and got[2] is None
+    assert reply_fluency(model, tok, [{"role": "npc", "content": "Hi."}] + history[:2])[0] is None  # nothing before it
     for k, value in ((1, got[0]), (3, got[1])):
         before = [{"role": m["role"], "content": m["content"]} for m in history[:k]]
         prompt = tok(tok.apply_chat_template(before, tokenize=False, add_generation_prompt=True),
@@ -767,6 +768,20 @@ def test_reply_fluency_is_the_mean_logprob_of_the_reply_tokens_under_the_reader(
     recs = [json.loads(line) for line in open(out / "tiny" / "transcripts.jsonl")]
     values = [v for r in recs for v in reply_fluency(reader, reader_tok, r["history"]) if v is not None]
     assert json.load(open(out / "summary.json"))["reply_stats"]["tiny"]["fluency"] == pytest.approx(sum(values) / len(values))
+
+
+def test_a_fluency_reader_without_a_chat_template_is_refused_before_any_play(tmp_path, capsys):
+    """Review of --fluency-model: the reader loads after every model has played, so a reader it
+    cannot use (no chat template: a base, not instruct, model) was a traceback at the very end."""
+    save_tiny(tmp_path / "reader", seed=0)
+    os.remove(tmp_path / "reader" / "chat_template.jinja")
+    out = tmp_path / "out"
+    capsys.readouterr()  # the save's progress bar
+    assert main(["--model", "tiny", "--limit", "1", "--reply-stats", "--fluency-model", str(tmp_path / "reader"),
+                 "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--fluency-model" in err and "no chat template" in err and len(err.splitlines()) == 1, err
+    assert not (out / "tiny").exists()
 
 
 # ---------------------------------------------------------------- issue 38: faults, round four

@@ -253,8 +253,8 @@ def test_the_smollm2_cpu_preset_starts_trains_and_saves(tmp_path):
 def test_the_base_model_reads_run_3s_broken_sentences_as_less_fluent(model, tok):
     """Issue 50, run 3: its held-out replies were short broken sentences that name a feeling,
     which the rule user (characters, cue words) paid. Read by SmolLM2 (evaluate.py
-    --fluency-model smollm2), each is less likely per token than a sentence a person would say
-    with the same words of care."""
+    --fluency-model smollm2), each is less likely per token than a fluent sentence of the same
+    kind of care (not the same words: this checks the direction, not a size)."""
     from evaluate import reply_fluency
     user = {"role": "user", "content": "They cut my hours for the new trainer."}
     pairs = [("It feels overwhelming to put - right?", "That sounds overwhelming. How are you holding up?"),
