@@ -884,7 +884,7 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
         print(format_strategy_table(strategies))
     goal_types = {sc.id: sc.goal_type for sc in scenarios}
     fluency = None
-    if args.reply_stats and args.fluency_model:
+    if args.fluency_model:  # with --reply-stats (check_eval_args)
         reader, reader_tok = load_for_eval(args.fluency_model, args.seed)
         fluency = lambda history: reply_fluency(reader, reader_tok, history)  # noqa: E731
     replies = {name: reply_stats(recs, goal_types, fluency) for name, recs in results.items()} if args.reply_stats else {}
@@ -901,7 +901,7 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
                                 "think": args.think, "temperature": args.temperature, "seed": args.seed,
                                 "sampling": sampling_settings(RolloutConfig(temperature=args.temperature)),
                                 "max_new_tokens": args.max_new_tokens, "eval_prompt": prompt_record,
-                                "fluency_model": args.fluency_model if fluency else None,
+                                "fluency_model": args.fluency_model or None,
                                 "scenarios": args.scenarios if args.model else None},
                    "judge": None if judge is None else judge.name,
                    "results": summaries, "strategies": strategies, **({"reply_stats": replies} if replies else {})},

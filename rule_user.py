@@ -123,12 +123,12 @@ def goal_words(reply: str, goal_type: str, said: str = "") -> tuple[int, int, in
     as the user's own; naming the feeling ("feel", "hurt": `acknowledge`) is no other goal; a cue
     of its own the user's last line `said` (a whole word, or 2+ Chinese characters) is its word
     said back, not the goal served (a clashing cue said back still clashes: "Okay... go on.")."""
+    if goal_type not in GOAL_WORDS:
+        return 0, 0, 0
     said, low = said.lower().replace("’", "'"), reply.lower()
     def said_back(k: str) -> bool:
         return bool(re.search(r"(?<![a-z'])" + re.escape(k) + r"(?![a-z'])", said)) if k.isascii() else len(k) > 1 and k in said
-    own_cues = [k for k in GOAL_WORDS.get(goal_type, []) if not said_back(k)]
-    if goal_type not in GOAL_WORDS:
-        return 0, 0, 0
+    own_cues = [k for k in GOAL_WORDS[goal_type] if not said_back(k)]
     family = [t for t in GOAL_WORDS if (t in CHITCHAT_GOALS) == (goal_type in CHITCHAT_GOALS) and t != goal_type]
     general = set(GOAL_WORDS[goal_type]) | set(FEATURE_WORDS["acknowledge"])
     others = {t: _hits(low, [k for k in GOAL_WORDS[t] if k not in general]) for t in family}
