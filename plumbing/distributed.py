@@ -68,6 +68,10 @@ def make_accelerator(cfg):
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     accelerator = Accelerator(mixed_precision=mp, log_with=trackers(cfg), project_dir=cfg.output_dir,
                               step_scheduler_with_optimizer=False, kwargs_handlers=[pg], fsdp_plugin=fsdp_plugin)
+    # Meet before any refusal below: a process that refuses and exits while another is still
+    # joining the process group ends that one's join with gloo's "Connection reset by peer", a
+    # traceback beside the one-line error (seen in CI: FSDP1's refusal on 2 CPU processes).
+    accelerator.wait_for_everyone()
     check_launch(accelerator)
     if cfg.lora_rank:  # checkpoints hold the adapters and value head, not the frozen base
         accelerator.register_save_state_pre_hook(trainable_only)

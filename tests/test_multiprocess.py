@@ -156,6 +156,33 @@ def test_fsdp1_is_refused_with_one_line(precision, extra, tmp_path):
     assert "Traceback" not in log
 
 
+def test_every_process_has_joined_before_any_refuses(tmp_path, monkeypatch):
+    """CI, round 5: FSDP1's refusal on 2 CPU processes once came with gloo's "Connection reset by
+    peer" traceback: one process refused and exited while the other was still joining the
+    process group. make_accelerator now meets the others (a barrier) before check_launch and
+    the batch check can refuse. The race is a matter of milliseconds, so the order is checked."""
+    import plumbing.distributed as dist
+    from plumbing.checks import InputError
+    from train import parse_args
+    calls = []
+
+    class Joined:  # what Accelerator() leaves: a process group of 2, FSDP1
+        num_processes, distributed_type, is_fsdp2 = 2, dist.DistributedType.FSDP, False
+
+        def __init__(self, **kw):
+            calls.append("join")
+
+        def wait_for_everyone(self):
+            calls.append("meet")
+
+    monkeypatch.setattr(dist, "Accelerator", Joined)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = parse_args([*TINY, "--output-dir", str(tmp_path)])
+    with pytest.raises(InputError, match="fsdp_version: 1"):
+        dist.make_accelerator(cfg)
+    assert calls == ["join", "meet"]
+
+
 def test_process_count_mismatch_is_refused(tmp_path):
     """`accelerate launch` with the GPU node's FSDP config on a machine without GPUs starts 2
     ranks, but accelerate falls back to one process per rank: refuse (each would otherwise

@@ -17,7 +17,11 @@ SECRET = "sk-test-DO-NOT-LEAK-1234567890"
 
 
 def backend(server, **kw):
-    kw.setdefault("timeout", 0.5)
+    # 5 s per request: far above a fake answer's milliseconds, so a request that CI's busy two
+    # cores delay (the client's first request on a cold process took over 0.5 s once, a spurious
+    # timeout and one request more than the test counted) is never a failed try; the tests of
+    # timeouts give their own, shorter, timeout.
+    kw.setdefault("timeout", 5)
     kw.setdefault("max_retries", 3)
     return OpenAIBackend(server.base_url, "fake-model", api_key_env="RLVER_TEST_KEY", **kw)
 
@@ -42,8 +46,8 @@ def play(sim, turns=3):
                                     ["nan"], ["inf"], ["list"], ["number"], ["deep"]])
 def test_dialogue_completes_despite_transient_faults(faults, monkeypatch):
     monkeypatch.setenv("RLVER_TEST_KEY", SECRET)
-    with FakeOpenAIServer(faults=faults, hang=1.5) as srv:
-        st = play(simulator(backend(srv), initial_emotion=30, max_turns=3))
+    with FakeOpenAIServer(faults=faults, hang=1.5) as srv:  # "timeout": 1.5 s past the client's 0.5 s
+        st = play(simulator(backend(srv, timeout=0.5), initial_emotion=30, max_turns=3))
     assert st.outcome == "max_turns" and st.emotion == 39, st.trace
     assert [t["change"] for t in st.trace] == [3, 3, 3]
     # JSON mode is requested, and the key is sent to the server (it is how auth works) ...
