@@ -154,7 +154,8 @@ def recorded_rules(path: str) -> str | None:
 def normalize_record(obj: dict, where: str) -> dict:
     """Our transcript format, or another system's result in SAGE's spirit: any JSON object with
     a final emotion under one of _EMOTION_KEYS, and optionally the dialogue under "history" /
-    "dialog" (list of {"role", "content"}) and an emotion trace ("emotion_trace" / "emo_trace")."""
+    "dialog" (list of {"role", "content"}; returned as "history", what --reply-stats and the
+    judges read) and an emotion trace ("emotion_trace" / "emo_trace")."""
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     key = next((k for k in _EMOTION_KEYS if k in obj), None)
@@ -190,7 +191,7 @@ def normalize_record(obj: dict, where: str) -> dict:
         if k != "reply_lengths" and not all(EMOTION_FLOOR <= x <= 100 for x in v):  # what the plot's axes cover
             raise ValueError(f"{where}: '{k}' holds {next(x for x in v if not EMOTION_FLOOR <= x <= 100)!r}, "
                              f"not an emotion in [{EMOTION_FLOOR}, 100]")
-    return {**obj, "emotion": float(obj[key]), "turns": turns,
+    return {**obj, "history": hist, "emotion": float(obj[key]), "turns": turns,
             "emotion_trace": obj.get("emotion_trace") or obj.get("emo_trace") or [],
             "reply_lengths": obj.get("reply_lengths", [len(a) for a in agent]),
             "valid": obj.get("valid", obj.get("outcome") != "simulator_error")}

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from evaluate import format_table, load_transcripts, main, summarize
+from evaluate import format_table, load_transcripts, main, reply_stats, summarize
 from plumbing.backends import CachedBackend
 from fake_openai import FakeOpenAIServer
 
@@ -38,8 +38,12 @@ def test_other_systems_format_and_json_list(tmp_path):
     p.write_text(json.dumps([{"id": "x", "emo_point": 80, "dialog": [{"role": "user", "content": "hi"},
                                                                       {"role": "assistant", "content": "hello!"}]},
                              {"id": "y", "emo_point": 0}]))
-    s = summarize(load_transcripts(str(p)))
+    recs = load_transcripts(str(p))
+    s = summarize(recs)
     assert (s["sentient_score"], s["failure_rate"], s["mean_reply_length"], s["mean_turns"]) == (40.0, 0.5, 6.0, 0.5)
+    # The dialogue under "dialog" is read as ours, "history", by --reply-stats and the judges (was:
+    # validated, then left under "dialog", so --reply-stats counted 0 replies and judges saw none).
+    assert recs[0]["history"][1]["content"] == "hello!" and reply_stats(recs)["replies"] == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"emotion": 3}\n{"nothing": 1}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: no numeric final emotion"):
