@@ -33,7 +33,7 @@ def main(out):
     total = accelerator.reduce(torch.tensor([float(rank + 1)]), reduction="sum")  # the trainer's group
     res["allreduce"] = float(total)
     if rank == 1:
-        time.sleep(6)  # process 1 holds back; process 0 generates meanwhile
+        time.sleep(12)  # process 1 holds back; process 0 generates meanwhile
     params = engine.SamplingParams(temperature=1.0, max_tokens=8, seed=rank)
     t = time.monotonic()
     out_tokens = engine.llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)

@@ -75,7 +75,7 @@ def test_persistent_garbage_ends_as_simulator_error():
 
 
 def test_step_many_runs_dialogues_concurrently():
-    with FakeOpenAIServer(latency=0.2) as srv:
+    with FakeOpenAIServer(latency=1.0) as srv:  # 1 s: all 16 calls are sent within it even on busy cores
         sim = simulator(backend(srv, timeout=5), initial_emotion=30, max_turns=2, concurrency=16)
         states = sim.reset_many([S] * 16)
         states = sim.step_many(states, ["hello"] * 16)
@@ -225,7 +225,7 @@ def test_a_trickling_server_is_cut_at_the_call_budget():
         st = sim.step(sim.reset(S), "hello")
         took = time.monotonic() - t0
     assert st.outcome == "simulator_error" and "within" in st.trace[-1]["error"]
-    assert took < 2.0 + 1.0, took  # the budget, plus slack for a loaded machine
+    assert took < 2.0 + 3.0, took  # the budget, plus slack for a loaded machine (the bug: 58 s)
 
 
 def test_a_key_the_server_echoes_is_never_logged(monkeypatch, caplog):
