@@ -72,6 +72,8 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=30, help="appraisals (and replies) asked per format")
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (train.py's: dialogues per step)")
     ap.add_argument("--temperature", type=float, default=0.7, help="the simulated user's (train.py's default)")
+    ap.add_argument("--max-tokens", type=int, default=1024, help="per answer (the simulator's default); the "
+                    "schema's text bounds follow it")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     results, failed = {}, {}
@@ -83,11 +85,12 @@ def main(argv=None):
             url, name = stack.enter_context(vllm_server(smollm2_dir())), SERVED_NAME
         pairs = prompts(args.n)
         for fmt in ("json_object", "json_schema"):
-            backend = OpenAIBackend(url, name, temperature=args.temperature, timeout=300, max_retries=2)
+            backend = OpenAIBackend(url, name, temperature=args.temperature, timeout=300, max_retries=2,
+                                    max_tokens=args.max_tokens)
             backend.format = fmt
             row = {}
             for answer, parser, idx in (("appraisal", parse_appraisal, 0), ("reply", parse_reply, 1)):
-                schema = answer_schema(parser) if fmt == "json_schema" else None
+                schema = answer_schema(parser, max_tokens=args.max_tokens) if fmt == "json_schema" else None
                 parsed, errors, seconds = ask_all(backend, [(p[idx], parser, schema) for p in pairs], args.concurrency)
                 row[answer] = {"asked": len(parsed), "parsed": sum(p is not None for p in parsed),
                                "errors": len(errors), "seconds": seconds, "requests_per_s": len(parsed) / seconds}
@@ -97,7 +100,7 @@ def main(argv=None):
             results[fmt] = row
     print(report.command(argv))
     print(f"server {url} ({name}), temperature {args.temperature}, {args.concurrency} requests in flight, "
-          f"one try per answer")
+          f"one try per answer of at most {args.max_tokens} tokens")
     print(f"{'format':<12} {'appraisals parsed':>18} {'replies parsed':>15} {'req/s':>6}")
     for fmt, row in results.items():
         a, r = row["appraisal"], row["reply"]

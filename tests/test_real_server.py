@@ -68,7 +68,8 @@ def test_the_user_parse_rate_benchmark_runs_against_the_real_server(server, tmp_
     import subprocess
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_user.py"), "--server", server,
-                        "--server-model", SERVED_NAME, "--n", "3", "--concurrency", "3", "--json", str(out)],
+                        "--server-model", SERVED_NAME, "--n", "3", "--concurrency", "3", "--max-tokens", "96",
+                        "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     res = json.loads(out.read_text())["results"]
