@@ -76,6 +76,8 @@ def main(argv=None):
                     "schema's text bounds follow it")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
+    if args.max_tokens < 1:
+        ap.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
     results, failed = {}, {}
     with contextlib.ExitStack() as stack:
         url, name = args.server, args.server_model
