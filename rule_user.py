@@ -217,7 +217,7 @@ class RuleBackend:
         def echo_of(text: str) -> float:  # its content words (all its words when none) said earlier
             mine, said = (content_words(text), content_words(earlier)) if content_words(text) else (set(word_list(text)), set(word_list(earlier)))
             return len(mine & said) / len(mine) if mine else 0.0
-        echo = max(echo_of(heard), echo_of(reply))  # a new tail does not dilute it, nor a new first sentence hide it
+        echo = max(echo_of(t) for t in {heard, reply})  # a new tail does not dilute it, nor a new first sentence hide it
         theirs = [re.sub(SELF_FEELING["zh"], " ", re.sub(SELF_FEELING["en"], " ", t)) for t in (hlow, low)]
         talk = len(re.findall(SELF_TALK, re.sub(AGENT_FRAMES, " ", low)))  # the first person, as the person
         (own, stray, _), (_, _, clash) = (goal_words(t, goal_type, last_user) for t in theirs)
