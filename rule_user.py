@@ -146,7 +146,7 @@ class RuleBackend:
 
     parallel = False
     WEIGHTS = {"readable": 3.0, "length_ok": 1.0, "acknowledge": 2.0, "reflect": 1.5,
-               "open_question": 1.5, "goal": 3.0, "repetition": -4.0, "echo": -3.0, "dismissive": -6.0,
+               "open_question": 1.5, "goal": 4.0, "repetition": -4.0, "echo": -3.0, "dismissive": -6.0,
                "stacked": -2.0, "parrot": -3.0, "unfinished": -2.0, "clash": -3.0, "self_talk": -3.0}
     CARE = ("acknowledge", "reflect", "open_question", "goal")  # paid only for the new share (appraise)
     BASELINE = -3.0  # the user is in a bad place: an empty or useless reply makes things worse
@@ -190,7 +190,7 @@ class RuleBackend:
         frames (SELF_TALK, AGENT_FRAMES: "I'm sorry I'm not getting it. How can I ...?"; once 0.5,
         twice 1; not in chit-chat); a feeling said of oneself ("I feel hurt") is none of theirs.
 
-        What the person needs (issue 50): `goal` grades the cues of the user's goal type (two: 1)
+        What the person needs pays most (issue 50): `goal` is 1 for a cue of the user's goal type (weight 4)
         times their share of all the goal cues of its family (goal_words): a reply that strings
         advice, praise, validation and "tell me more" together earns a fraction of it for any
         goal, not all of it; a cue of its own the user's last line said (a hint that once said
@@ -230,7 +230,7 @@ class RuleBackend:
             "acknowledge": acknowledge,
             "reflect": min(1.0, len(user_words & set(hwords)) / 2),
             "open_question": open_question,
-            "goal": min(1.0, own / 2) * own / (own + stray) if own else 0.0,
+            "goal": own / (own + stray) if own else 0.0,
             "repetition": repetition,
             "echo": echo,
             "dismissive": float(any(k in low for k in FEATURE_WORDS["dismissive"])),

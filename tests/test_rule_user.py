@@ -303,6 +303,38 @@ def test_what_the_person_needs_pays_and_what_clashes_with_it_costs(goal, right, 
     assert GOAL_CLASHES[goal] and all(len(reason) > 10 for reason in GOAL_CLASHES[goal].values())
 
 
+ANSWERS_TO_THE_HINT = {  # what a person says to each hint (plumbing.rule_words.GOAL_HINTS), English and Chinese
+    "advice": ["You could start small: call her tomorrow.", "你可以试试先和她聊一次。"],
+    "analyze_others": ["Maybe they were scared of losing their own spot.", "他们可能也有自己的难处。"],
+    "dialectical": ["There may be more to it than the part that hurt.", "换个角度看，也许事情更全面一些。"],
+    "self_reflection": ["What could you have done differently, do you think?", "回头看，你会怎么反思这件事？"],
+    "empathy": ["That is a lot to carry, and you're not alone in it.", "我能体会，这真的让人心疼。"],
+    "venting": ["Take your time. I'm all ears, let it all out.", "慢慢说，我在听。"],
+    "praise": ["All that effort shows. You should be proud.", "你的付出大家都看得到，真棒。"],
+    "validation": ["You weren't wrong. Anyone would have been upset.", "你是对的，换谁都会难过。"],
+}
+
+
+@pytest.mark.parametrize("goal", sorted(ANSWERS_TO_THE_HINT))
+def test_what_a_person_says_to_the_hint_serves_the_goal_and_pays_most(goal):
+    """Issue 50, after three runs: SmolLM2 at the training temperature said a cue of 3 of the 8
+    goal types (dialectical, self-reflection, validation) in none of 60 replies each, and one
+    cue paid half the goal (+1.5, less than naming the feeling, +2): the goal was neither found
+    nor worth finding (docs/LEARNING.md, run 4). What a person says to each hint now serves its
+    goal, one cue pays it in full, and it pays most: more than any other care feature, so the
+    answer earns more than "That sounds hard."; as the person ("I'm all ears") it is no self-talk."""
+    from plumbing.rule_words import GOAL_HINTS
+    r = RuleBackend()
+    for lang, answer in zip(("en", "zh"), ANSWERS_TO_THE_HINT[goal]):
+        f = r.features(answer, GOAL_HINTS[lang][goal], goal)
+        assert f["goal"] == 1.0 and f["clash"] == 0.0 and f["self_talk"] == 0.0, (lang, f)
+    assert r.WEIGHTS["goal"] > max(r.WEIGHTS[k] for k in r.CARE if k != "goal")
+    answer, hint = ANSWERS_TO_THE_HINT[goal][0], GOAL_HINTS["en"][goal]
+    assert score_before_rounding(answer, goal, last_user=hint) > score_before_rounding("That sounds hard.", goal, last_user=hint)
+    # naming the feeling is `acknowledge`, paid once: no goal of its own, not even the empathy user's
+    assert r.features("That must feel so hurtful.", "", goal)["goal"] == 0.0
+
+
 def test_a_reply_that_strings_every_goal_together_earns_a_fraction_of_any():
     """Issue 50 item 2: goal was paid for any two of the goal type's cues, whatever else the
     reply said: advice, praise, validation and "tell me more" strung together earned it for
@@ -350,7 +382,7 @@ def test_no_hint_says_a_goal_cue_and_the_users_words_said_back_serve_no_goal():
     f = RuleBackend().features
     user = "I don't know... it still feels bad. Is there another side to this I'm not seeing?"
     echo = f("There is another side to this.", user, "dialectical")
-    weighed = f("On one hand you were hurt; on the other, they may not have known.", user, "dialectical")
+    weighed = f("On one hand you were hurt; on the other, they did not know.", user, "dialectical")
     assert echo["goal"] == 0.0 and echo["reflect"] > 0 and weighed["goal"] == 1.0
     assert f("There is another side to this.", "", "dialectical")["goal"] > 0  # not said by the user: its own
     # the said-back filter spares the agent's own cues only, and takes the user's whole words (review)
@@ -358,7 +390,7 @@ def test_no_hint_says_a_goal_cue_and_the_users_words_said_back_serve_no_goal():
     from rule_user import goal_words
     assert goal_words("Maybe you could try a small step.", "advice", "I keep trying to fix my stepmother thing.")[0] == 4
     assert goal_words("我也喜欢这个！", "interest_chat", "也许吧，挺复杂的。")[0] == 2  # 也 alone is no word said back
-    assert f("I'm here. Go on.", "I’m here again.", "venting")["goal"] == 0.5  # a curly apostrophe in the user's line
+    assert goal_words("I'm here. Go on.", "venting", "I’m here again.")[0] == 1  # a curly apostrophe in the user's line
     from plumbing.logs import reply_measures
     history = [{"role": "user", "content": user}, {"role": "assistant", "content": "There is another side to this."}]
     assert reply_measures(history, "dialectical")[0]["goal_fit"] == 0.0
