@@ -21,9 +21,10 @@ AGENT_FRAMES = ["i'm so sorry", "i'm sorry", "i am sorry", "i'm glad", "i am gla
                 "i am here", "i'm listening", "i understand", "i see", "i think", "i wonder", "i can see",
                 "i can imagine", "i can only imagine", "i imagine", "i know", "i believe", "i'd suggest",
                 "i suggest", "if i were you", "can i ask", "may i ask", "help me understand", "tell me",
-                "telling me", "told me", "let me", "with me", "makes me", "oh my", "i'm all ears",
+                "telling me", "told me", "let me", "with me", "makes me", "oh my", "i'm all ears", "i'm proud",
+                "i'm so proud", "i am proud",
                 "我在这", "我一直在", "我能理解", "我能感受", "我能体会", "我理解", "我明白", "我知道", "我听",
-                "我觉得", "我建议", "我陪着你", "我陪你", "我在听", "告诉我", "跟我说", "让我"]
+                "我觉得", "我建议", "我陪着你", "我陪你", "我在听", "我在呢", "我为你骄傲", "告诉我", "跟我说", "让我"]
 AGENT_FRAMES = "|".join(  # one pattern: English frames as whole words ("i see" is not in "hi seen"), longest first
     [r"(?<![a-z'])(?:" + "|".join(re.escape(f) for f in sorted(AGENT_FRAMES, key=len, reverse=True) if f.isascii())
      + r")(?![a-z'])"] + [re.escape(f) for f in sorted(AGENT_FRAMES, key=len, reverse=True) if not f.isascii()])
@@ -36,24 +37,23 @@ SELF_FEELING = {"en": r"(?<![a-z'])i(?:'m| am)? (?:feel|felt|feeling)(?! like| t
 GOAL_WORDS = {
     "advice": ["try", "you could", "suggest", "step", "plan", "maybe you", "you might", "建议", "试试", "你可以试"],
     "analyze_others": ["maybe he", "maybe she", "perhaps they", "because they", "from their", "their reason",
-                       "maybe they", "they might", "they may", "they probably", "perhaps he", "perhaps she",
-                       "his reason", "her reason", "他可能", "她可能", "他们可能", "原因", "也许他们", "他们也许"],
+                       "maybe they", "they probably", "perhaps he", "perhaps she", "his reason", "her reason",
+                       "他可能", "她可能", "他们可能", "原因", "也许他们", "他们也许"],
     "dialectical": ["on one hand", "on the other", "both sides", "but also", "another side", "other side",
-                    "another way", "other half", "more to it", "whole picture", "at the same time", "perspective",
-                    "一方面", "另一方面", "同时", "换个角度", "全面"],
+                    "another way", "more to it", "whole picture", "but at the same time", "another perspective",
+                    "一方面", "另一方面", "但同时", "换个角度"],
     "self_reflection": ["what do you think you", "learn", "grow", "looking back", "look back", "your part",
-                        "your role", "differently", "what could you", "what you could", "reflect",
-                        "反思", "成长", "回头看", "反省", "自己的原因"],
+                        "your role", "done differently", "do differently", "what could you", "reflect on",
+                        "反思", "成长", "回头看", "反省"],
     "empathy": ["alone", "heavy", "i hear", "so painful", "i can imagine", "carry", "心疼", "孤独", "我能体会"],
-    "venting": ["i'm here", "go on", "tell me more", "listening", "let it out", "here for you", "take your time",
-                "keep going", "vent", "get it off", "all ears", "let it all", "我在", "继续说", "听你", "慢慢说",
-                "尽管说", "我陪你"],
-    "praise": ["well done", "proud", "you did", "brave", "impressive", "good job", "effort", "hard work",
-               "you worked", "great job", "amazing", "dedication", "you put in", "了不起", "做得好", "勇敢", "付出",
-               "真棒", "厉害", "为你骄傲"],
+    "venting": ["i'm here", "go on", "tell me more", "listening", "let it out", "here for you", "get it off",
+                "all ears", "let it all", "我在", "继续说", "听你", "慢慢说", "尽管说", "我陪你"],
+    "praise": ["well done", "proud", "you did", "brave", "impressive", "good job", "effort", "great job",
+               "amazing", "dedication", "you put in", "了不起", "做得好", "勇敢", "付出", "真棒", "真厉害", "你好厉害",
+               "为你骄傲"],
     "validation": ["not your fault", "you were right", "anyone would", "perfectly fair", "justified",
-                   "weren't wrong", "not wrong", "nothing wrong", "you're right", "you are right", "valid",
-                   "every right", "不是你的错", "你没错", "换谁都", "你是对的", "没有错", "合情合理"],
+                   "weren't wrong", "not wrong", "nothing wrong", "you're right", "you are right", "every right",
+                   "不是你的错", "你没错", "换谁都", "你是对的", "你没有错", "合情合理"],
 }
 REPLIES = {
     "en": {1: ["Forget it. I'm done talking.", "You're not listening at all.", "Whatever. This is useless."],

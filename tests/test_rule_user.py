@@ -303,15 +303,15 @@ def test_what_the_person_needs_pays_and_what_clashes_with_it_costs(goal, right, 
     assert GOAL_CLASHES[goal] and all(len(reason) > 10 for reason in GOAL_CLASHES[goal].values())
 
 
-ANSWERS_TO_THE_HINT = {  # what a person says to each hint (plumbing.rule_words.GOAL_HINTS), English and Chinese
+ANSWERS_TO_THE_HINT = {  # what a person says to each hint (plumbing.rule_words.GOAL_HINTS); English: one cue each
     "advice": ["You could start small: call her tomorrow.", "你可以试试先和她聊一次。"],
     "analyze_others": ["Maybe they were scared of losing their own spot.", "他们可能也有自己的难处。"],
-    "dialectical": ["There may be more to it than the part that hurt.", "换个角度看，也许事情更全面一些。"],
-    "self_reflection": ["What could you have done differently, do you think?", "回头看，你会怎么反思这件事？"],
-    "empathy": ["That is a lot to carry, and you're not alone in it.", "我能体会，这真的让人心疼。"],
-    "venting": ["Take your time. I'm all ears, let it all out.", "慢慢说，我在听。"],
-    "praise": ["All that effort shows. You should be proud.", "你的付出大家都看得到，真棒。"],
-    "validation": ["You weren't wrong. Anyone would have been upset.", "你是对的，换谁都会难过。"],
+    "dialectical": ["There may be more to it than the part that hurt.", "换个角度看，事情也许没那么简单。"],
+    "self_reflection": ["What could you have changed, do you think?", "回头看，你会怎么反思这件事？"],
+    "empathy": ["That is a lot to carry.", "我能体会，这真的让人心疼。"],
+    "venting": ["I'm all ears, say as much as you need.", "慢慢说，我在听，我陪你。"],
+    "praise": ["All that effort shows.", "你的付出大家都看得到，我为你骄傲。"],
+    "validation": ["You weren't wrong to say no.", "你是对的，换谁都会难过。"],
 }
 
 
@@ -324,15 +324,34 @@ def test_what_a_person_says_to_the_hint_serves_the_goal_and_pays_most(goal):
     goal, one cue pays it in full, and it pays most: more than any other care feature, so the
     answer earns more than "That sounds hard."; as the person ("I'm all ears") it is no self-talk."""
     from plumbing.rule_words import GOAL_HINTS
+    from rule_user import goal_words
     r = RuleBackend()
     for lang, answer in zip(("en", "zh"), ANSWERS_TO_THE_HINT[goal]):
         f = r.features(answer, GOAL_HINTS[lang][goal], goal)
         assert f["goal"] == 1.0 and f["clash"] == 0.0 and f["self_talk"] == 0.0, (lang, f)
-    assert r.WEIGHTS["goal"] > max(r.WEIGHTS[k] for k in r.CARE if k != "goal")
+    assert goal_words(ANSWERS_TO_THE_HINT[goal][0], goal, GOAL_HINTS["en"][goal])[0] == 1  # one cue: in full
+    assert r.WEIGHTS["goal"] >= r.WEIGHTS["acknowledge"] + r.WEIGHTS["reflect"]  # more than feeling + their words
     answer, hint = ANSWERS_TO_THE_HINT[goal][0], GOAL_HINTS["en"][goal]
     assert score_before_rounding(answer, goal, last_user=hint) > score_before_rounding("That sounds hard.", goal, last_user=hint)
     # naming the feeling is `acknowledge`, paid once: no goal of its own, not even the empathy user's
     assert r.features("That must feel so hurtful.", "", goal)["goal"] == 0.0
+
+
+@pytest.mark.parametrize("goal,swapped", [("praise", "You worked so hard on this."), ("praise", "That is hard work."),
+                                          ("dialectical", "The other half of this?"),
+                                          ("analyze_others", "They might act like that."),
+                                          ("validation", "Your feelings are valid.")])
+def test_the_hint_said_back_in_other_pronouns_serves_no_goal(goal, swapped):
+    """From a review of the cues above: the said-back rule takes only a cue the user's line holds
+    word for word, so a cue that was the hint in other pronouns ("you worked" for "I worked so
+    hard ...") paid the goal for saying the hint back (+8.3 against "That sounds hard."'s +2.6):
+    no cue is one. Nor is a phrase said to anyone ("Your feelings are valid": a clash for
+    someone who asked what was on them)."""
+    from plumbing.rule_words import GOAL_HINTS
+    hint = "I don't know... it still feels bad. " + GOAL_HINTS["en"][goal]
+    f = RuleBackend().features(swapped, hint, goal)
+    assert f["goal"] == 0.0 and f["clash"] == 0.0, f
+    assert RuleBackend().features(swapped, "", "self_reflection")["clash"] == 0.0
 
 
 def test_a_reply_that_strings_every_goal_together_earns_a_fraction_of_any():
@@ -382,7 +401,7 @@ def test_no_hint_says_a_goal_cue_and_the_users_words_said_back_serve_no_goal():
     f = RuleBackend().features
     user = "I don't know... it still feels bad. Is there another side to this I'm not seeing?"
     echo = f("There is another side to this.", user, "dialectical")
-    weighed = f("On one hand you were hurt; on the other, they did not know.", user, "dialectical")
+    weighed = f("On one hand you were hurt; on the other, they may not have known.", user, "dialectical")
     assert echo["goal"] == 0.0 and echo["reflect"] > 0 and weighed["goal"] == 1.0
     assert f("There is another side to this.", "", "dialectical")["goal"] > 0  # not said by the user: its own
     # the said-back filter spares the agent's own cues only, and takes the user's whole words (review)
