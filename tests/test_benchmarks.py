@@ -144,3 +144,38 @@ def test_bench_logprob_pass_toy(tmp_path):
     assert res["failed"] == {} and set(r) == {"full width", "trimmed", "grouped"}
     assert r["grouped"]["tokens_processed"] <= r["trimmed"]["tokens_processed"] < r["full width"]["tokens_processed"]
     assert all(x["seconds"] > 0 and x["max_abs_diff"] < 1e-4 for x in r.values())
+
+
+def test_bench_goal_signal_toy(tmp_path):
+    """Issue 50's fourth run: the goal signal, two scenarios played twice (two "seeds"). The
+    advantage of the dialogue that serves the goal, in sd of all advantages, against the same
+    figure computed here from the rule user's features and weights (not from its reasoning's
+    text, which the script reads); one file alone holds no group and exits 1."""
+    from rule_user import RuleBackend
+    from plumbing.scenarios import load_scenarios
+    scen = {s.id: s for s in load_scenarios(os.path.join(ROOT, "data", "scenarios_train.jsonl"))}
+    plays = {"en-017": ["You could try one small step tomorrow.", "That sounds hard."],  # advice, passive
+             "en-022": ["I see.", "That sounds hard."]}  # venting, negative: neither serves the goal
+    assert (scen["en-017"].personality_type, scen["en-022"].personality_type) == ("passive", "negative")
+    files = []
+    for seed in (0, 1):
+        path = tmp_path / f"s{seed}.jsonl"
+        path.write_text("".join(json.dumps({"scenario_id": sid, "emotion": 30, "valid": True, "outcome": "max_turns", "history": [
+            {"role": "user", "content": scen[sid].first_message}, {"role": "assistant", "content": replies[seed]}]}) + "\n"
+            for sid, replies in plays.items()))
+        files.append(str(path))
+    r = RuleBackend()
+    def change(sid, reply):  # one reply, nothing said before (echo 0); passive x0.7, negative -1 or x1.3
+        f = r.features(reply, scen[sid].first_message, scen[sid].goal_type)
+        s = r.BASELINE + sum(r.WEIGHTS[k] * v for k, v in f.items())
+        return 0.7 * s if sid == "en-017" else s - 1 if s >= 0 else 1.3 * s
+    adv = [(change(sid, a) - change(sid, b)) / 2 for sid, (a, b) in plays.items()]
+    sd = (sum(a * a for a in adv) / 2) ** 0.5  # the four advantages are +-adv[0], +-adv[1]
+    rc, out, log, res = bench(tmp_path, "bench_goal_signal.py", *files)
+    assert rc == 0, log[-3000:]
+    advice = res["results"]["advice"]
+    assert advice["advantage_sd"] == pytest.approx(adv[0] / sd, abs=1e-6) and adv[0] > 0
+    assert (advice["replies"], advice["goal_fit"], advice["groups_serving"]) == (2, 0.5, 1)
+    assert res["results"]["venting"]["advantage_sd"] is None and res["results"]["all"]["replies"] == 4
+    rc, _, log, res = bench(tmp_path, "bench_goal_signal.py", files[0])
+    assert rc == 1 and res["failed"] and "played twice" in log
