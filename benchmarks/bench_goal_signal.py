@@ -16,10 +16,17 @@ clamped to the standard user's +-10), summed over the dialogue. The transcripts 
 (one per file: one per seed) are a group, as in GRPO. Printed per goal type: the replies, the
 share that serve the goal (plumbing.logs.reply_measures' goal_fit), the groups holding a
 dialogue with such a reply, and those dialogues' mean advantage (summed change minus the group's
-mean) in units of the standard deviation of all dialogues' advantages: the signal GRPO has to
-find. Exit status 1 when no scenario was played twice (no group, no advantage).
+mean) in units of the standard deviation of all dialogues' advantages, with its standard error
+and how many dialogues it rests on, and their advantage as GRPO computes it (grpo.group_advantages:
+over the group's standard deviation): the signal GRPO has to find. The user each file was played
+against (its protocol.json, when beside it) appraises it again; files of one model and user, one
+per seed. Exit status 1 when no scenario was played twice or every group's dialogues are equal.
+The user's lines are the transcript's own, written by the user that played it: the hint and
+level each reply answered, not what today's user would have said; and the summed change ignores
+the emotion's [0, 100] bounds (harmless at 3 turns from 30).
 """
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -27,9 +34,12 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE)]
 
+import torch  # noqa: E402
+
 import report  # noqa: E402
 from evaluate import load_transcripts  # noqa: E402
-from plumbing.logs import reply_measures  # noqa: E402
+from grpo import group_advantages  # noqa: E402
+from plumbing.logs import AGENT_ROLES, reply_measures  # noqa: E402
 from plumbing.scenarios import load_scenarios  # noqa: E402
 from rule_user import RuleBackend  # noqa: E402
 from simulator import USERS, UserState  # noqa: E402
@@ -38,63 +48,93 @@ from simulator import USERS, UserState  # noqa: E402
 def expected_change(user: RuleBackend, state: UserState) -> float:
     """The rule user's change for the last reply of `state.history` before its random rounding:
     the last sum its reasoning states ("... = +2.50; passive personality x0.7 = +1.75; rounded
-    at random to +2": the terms add up, tests/test_rule_user.py), clamped as the simulator clamps."""
+    at random to +2": the terms add up, tests/test_rule_user.py; to its 2 decimals), clamped as
+    the simulator clamps the rounded change (the same in expectation: the bounds are integers)."""
     _, why = user.appraise(state, state.history[-1]["content"])
     score = float(why.rsplit("; rounded", 1)[0].rsplit("= ", 1)[1])
-    cap = USERS["standard"]["max_change"]
+    cap = USERS[state.user]["max_change"]
     return max(-cap, min(cap, score))
 
 
-def dialogue_signal(record: dict, scenario, user: RuleBackend) -> tuple[float, int, int]:
-    """-> (the dialogue's summed expected change, its replies, those that serve the goal)."""
-    history, total = record["history"], 0.0
+def dialogue_signal(record: dict, scenario, user: RuleBackend, who: str) -> tuple[float, int, int]:
+    """-> (the dialogue's summed expected change, its replies with a goal, those that serve it)."""
+    history, total, replies = record["history"], 0.0, 0
     for k, m in enumerate(history):
-        if m["role"] == "assistant":
-            state = UserState(scenario=scenario, emotion=30, history=history[:k + 1],
-                              turn=sum(h["role"] == "assistant" for h in history[:k]))
+        if m.get("role") in AGENT_ROLES:
+            state = UserState(scenario=scenario, emotion=30, history=history[:k + 1], turn=replies, user=who)
             total += expected_change(user, state)
-    fits = [m["goal_fit"] for m in reply_measures(history, scenario.goal_type)]
-    return total, len(fits), int(sum(f or 0 for f in fits))
+            replies += 1
+    fits = [m["goal_fit"] for m in reply_measures(history, scenario.goal_type) if m["goal_fit"] is not None]
+    return total, len(fits), int(sum(fits))
+
+
+def protocol_of(path: str) -> dict:
+    """evaluate.py's protocol.json beside a transcripts file ({} when there is none)."""
+    beside = os.path.join(os.path.dirname(path), "protocol.json")
+    return json.load(open(beside, encoding="utf-8")) if os.path.isfile(beside) else {}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("transcripts", nargs="+", help="transcripts.jsonl files of evaluate.py, one per seed")
+    ap.add_argument("transcripts", nargs="+", help="transcripts.jsonl files of evaluate.py: one model, one per seed")
     ap.add_argument("--scenarios", default=os.path.join(os.path.dirname(HERE), "data", "scenarios_train.jsonl"))
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args(argv)
-    scenarios = {s.id: s for s in load_scenarios(args.scenarios)}
+    def refuse(why: str):
+        sys.exit(f"bench_goal_signal.py: {why}")
+    if len({os.path.realpath(p) for p in args.transcripts}) < len(args.transcripts):
+        refuse("a transcripts file is given twice: the same dialogues are no group")
+    try:  # one line naming the file (and line) for a bad input
+        scenarios = {s.id: s for s in load_scenarios(args.scenarios)}
+        files = [(path, protocol_of(path), load_transcripts(path)) for path in args.transcripts]
+    except ValueError as e:
+        refuse(str(e))
+    seeds = [(p.get("weights"), p.get("seed")) for _, p, _ in files if "seed" in p]
+    if len(set(seeds)) < len(seeds):
+        refuse("two files were played with the same weights and seed: the same dialogues are no group")
+    if len({p.get("user", "standard") for _, p, _ in files}) > 1:
+        refuse("the files were played against different users (protocol.json 'user')")
     user, groups = RuleBackend(), {}
-    for path in args.transcripts:
-        try:
-            records = load_transcripts(path)
-        except ValueError as e:  # one line naming the file and line
-            sys.exit(f"bench_goal_signal.py: {e}")
-        for rec in records:
+    for path, protocol, records in files:
+        if not records:
+            refuse(f"{path}: no dialogue")
+        for n, rec in enumerate(records, 1):
             sc = scenarios.get(rec.get("scenario_id"))
             if sc is None:
-                sys.exit(f"{path}: scenario {rec.get('scenario_id')!r} is not in {args.scenarios}")
-            if rec["valid"] and rec["history"]:
-                groups.setdefault((rec.get("model"), sc.id), []).append((sc.goal_type, *dialogue_signal(rec, sc, user)))
-    played = {k: g for k, g in groups.items() if len(g) >= 2}
+                refuse(f"{path}: dialogue {n}: scenario {rec.get('scenario_id')!r} is not in {args.scenarios}")
+            if rec["valid"] is True and any(m.get("role") in AGENT_ROLES for m in rec["history"]):  # as GRPO
+                key = (protocol.get("weights", rec.get("model")), sc.id)
+                groups.setdefault(key, []).append((sc.goal_type, *dialogue_signal(rec, sc, user, protocol.get("user", "standard"))))
+    played = [(key, g) for key, g in groups.items() if len(g) >= 2]
     if not played:
         return report.finish(args.json, {}, {"groups": "no scenario was played twice: no group, no advantage"})
-    rows = [(g[0][0], total - statistics.mean(t for _, t, _, _ in g), n, fit, key)
-            for key, g in played.items() for _, total, n, fit in g]
-    sd = statistics.pstdev(adv for _, adv, _, _, _ in rows) or 1.0
+    rows = [(goal, total - statistics.mean(t for _, t, _, _ in g), n, fit, key) for key, g in played for goal, total, n, fit in g]
+    sd = statistics.pstdev(adv for _, adv, _, _, _ in rows)
+    if sd == 0:
+        return report.finish(args.json, {}, {"spread": "every group's dialogues are equal: no advantage anywhere"})
+    ids = torch.tensor([i for i, (_, g) in enumerate(played) for _ in g])
+    grpo = group_advantages(torch.tensor([t / 100 for _, g in played for _, t, _, _ in g]), ids).tolist()
     results = {}
     for goal in sorted({r[0] for r in rows}) + ["all"]:
-        mine = [r for r in rows if goal in ("all", r[0])]
-        serving = [adv for _, adv, _, fit, _ in mine if fit]
-        results[goal] = {"replies": sum(r[2] for r in mine), "goal_fit": sum(r[3] for r in mine) / max(1, sum(r[2] for r in mine)),
-                         "groups": len({r[4] for r in mine}), "groups_serving": len({r[4] for r in mine if r[3]}),
+        mine = [(r, a) for r, a in zip(rows, grpo) if goal in ("all", r[0])]
+        serving = [(r[1] / sd, a) for r, a in mine if r[3]]
+        replies = sum(r[2] for r, _ in mine)
+        results[goal] = {"replies": replies, "goal_fit": sum(r[3] for r, _ in mine) / replies if replies else None,
+                         "groups": len({r[4] for r, _ in mine}), "groups_serving": len({r[4] for r, _ in mine if r[3]}),
                          "dialogues_serving": len(serving),
-                         "advantage_sd": statistics.mean(serving) / sd if serving else None}
-    print(f"{'goal type':16} {'replies':>7} {'goal_fit':>8} {'groups':>6} {'serving':>7} {'advantage (sd)':>14}")
+                         "advantage_sd": statistics.mean(x for x, _ in serving) if serving else None,
+                         "advantage_se": statistics.stdev(x for x, _ in serving) / len(serving) ** 0.5 if len(serving) > 1 else None,
+                         "grpo_advantage": statistics.mean(a for _, a in serving) if serving else None}
+    def num(x, spec):
+        return "-" if x is None else format(x, spec)
+    print(f"{'goal type':16} {'replies':>7} {'goal_fit':>8} {'groups':>6} {'serving':>7} {'n':>3} "
+          f"{'advantage (sd)':>15} {'GRPO advantage':>14}")
     for goal, r in results.items():
-        adv = f"{r['advantage_sd']:+.2f}" if r["advantage_sd"] is not None else "-"
-        print(f"{goal:16} {r['replies']:7d} {r['goal_fit']:8.3f} {r['groups']:6d} {r['groups_serving']:7d} {adv:>14}")
-    print(f"sd of the dialogues' advantages: {sd:.2f} emotion points; {report.command()}")
+        adv = num(r["advantage_sd"], "+.2f") + (f" ±{r['advantage_se']:.2f}" if r["advantage_se"] is not None else "")
+        print(f"{goal:16} {r['replies']:7d} {num(r['goal_fit'], '8.3f'):>8} {r['groups']:6d} {r['groups_serving']:7d} "
+              f"{r['dialogues_serving']:3d} {adv:>15} {num(r['grpo_advantage'], '+.2f'):>14}")
+    print(f"n: the goal-serving dialogues; ±: one standard error; sd of all dialogues' advantages: {sd:.2f} "
+          f"emotion points; {report.command()}")
     return report.finish(args.json, results, {})
 
 

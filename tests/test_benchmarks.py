@@ -146,36 +146,62 @@ def test_bench_logprob_pass_toy(tmp_path):
     assert all(x["seconds"] > 0 and x["max_abs_diff"] < 1e-4 for x in r.values())
 
 
-def test_bench_goal_signal_toy(tmp_path):
-    """Issue 50's fourth run: the goal signal, two scenarios played twice (two "seeds"). The
-    advantage of the dialogue that serves the goal, in sd of all advantages, against the same
-    figure computed here from the rule user's features and weights (not from its reasoning's
-    text, which the script reads); one file alone holds no group and exits 1."""
+def test_bench_goal_signal_toy(tmp_path, monkeypatch):
+    """Issue 50's fourth run: the goal signal, two scenarios played twice (two "seeds") for two
+    turns each, a third played once (no group) and one dialogue with no reply (left out, as GRPO
+    leaves it). The advantage of the dialogue that serves the goal, in sd of all advantages,
+    against the same figure computed here from the rule user's features and weights (not from
+    its reasoning's text, which the script reads), a negative user's x1.3 below zero and a
+    passive user's x0.7 included; GRPO's advantage in a group of two is +-1/sqrt(2). One file
+    alone holds no group, the same file twice is refused."""
     from rule_user import RuleBackend
     from plumbing.scenarios import load_scenarios
     scen = {s.id: s for s in load_scenarios(os.path.join(ROOT, "data", "scenarios_train.jsonl"))}
-    plays = {"en-017": ["You could try one small step tomorrow.", "That sounds hard."],  # advice, passive
-             "en-022": ["I see.", "That sounds hard."]}  # venting, negative: neither serves the goal
+    line = "That doesn't really help. What should I actually do next?"
+    plays = {"en-017": [["You could try one small step tomorrow.", "That sounds hard."],  # advice, passive
+                        ["That sounds hard.", "That sounds hard."]],
+             "en-022": [["Whatever, calm down.", "I see."], ["That sounds hard.", "I see."]],  # venting, negative
+             "en-001": [["You could try a plan."], []]}  # once with a reply: no group; then with none
     assert (scen["en-017"].personality_type, scen["en-022"].personality_type) == ("passive", "negative")
     files = []
     for seed in (0, 1):
         path = tmp_path / f"s{seed}.jsonl"
-        path.write_text("".join(json.dumps({"scenario_id": sid, "emotion": 30, "valid": True, "outcome": "max_turns", "history": [
-            {"role": "user", "content": scen[sid].first_message}, {"role": "assistant", "content": replies[seed]}]}) + "\n"
-            for sid, replies in plays.items()))
+        rows = []
+        for sid, replies in plays.items():
+            history = [{"role": "user", "content": scen[sid].first_message}]
+            for k, reply in enumerate(replies[seed]):
+                history += ([{"role": "user", "content": line}] if k else []) + [{"role": "assistant", "content": reply}]
+            rows.append(json.dumps({"scenario_id": sid, "model": "m", "emotion": 30, "valid": True, "outcome": "max_turns",
+                                    "history": history + [{"role": "user", "content": line}]}) + "\n")
+        path.write_text("".join(rows))
         files.append(str(path))
     r = RuleBackend()
-    def change(sid, reply):  # one reply, nothing said before (echo 0); passive x0.7, negative -1 or x1.3
-        f = r.features(reply, scen[sid].first_message, scen[sid].goal_type)
-        s = r.BASELINE + sum(r.WEIGHTS[k] * v for k, v in f.items())
-        return 0.7 * s if sid == "en-017" else s - 1 if s >= 0 else 1.3 * s
-    adv = [(change(sid, a) - change(sid, b)) / 2 for sid, (a, b) in plays.items()]
+    def change(sid, reply, last_user, earlier):  # appraise's sum, weighed here; passive x0.7, negative -1 or x1.3
+        f = r.features(reply, last_user, scen[sid].goal_type, earlier)
+        s = r.BASELINE + sum(r.WEIGHTS[k] * v * (1 - f["echo"] if k in r.CARE and r.WEIGHTS[k] > 0 else 1)
+                             for k, v in f.items())
+        s = 0.7 * s if sid == "en-017" else s - 1 if s >= 0 else 1.3 * s
+        return max(-10, min(10, s))
+    def total(sid, seed):
+        (a, b), first = plays[sid][seed], scen[sid].first_message
+        return change(sid, a, first, "") + change(sid, b, line, a)
+    assert change("en-022", "Whatever, calm down.", scen["en-022"].first_message, "") < 0  # the x1.3 branch
+    adv = [(total(sid, 0) - total(sid, 1)) / 2 for sid in ("en-017", "en-022")]
     sd = (sum(a * a for a in adv) / 2) ** 0.5  # the four advantages are +-adv[0], +-adv[1]
     rc, out, log, res = bench(tmp_path, "bench_goal_signal.py", *files)
     assert rc == 0, log[-3000:]
     advice = res["results"]["advice"]
-    assert advice["advantage_sd"] == pytest.approx(adv[0] / sd, abs=1e-6) and adv[0] > 0
-    assert (advice["replies"], advice["goal_fit"], advice["groups_serving"]) == (2, 0.5, 1)
-    assert res["results"]["venting"]["advantage_sd"] is None and res["results"]["all"]["replies"] == 4
-    rc, _, log, res = bench(tmp_path, "bench_goal_signal.py", files[0])
-    assert rc == 1 and res["failed"] and "played twice" in log
+    assert adv[0] > 0 and advice["advantage_sd"] == pytest.approx(adv[0] / sd, abs=0.01)
+    assert advice["grpo_advantage"] == pytest.approx(2 ** -0.5, abs=1e-3)
+    assert (advice["replies"], advice["goal_fit"], advice["groups"], advice["dialogues_serving"]) == (4, 0.25, 1, 1)
+    assert res["results"]["venting"]["advantage_sd"] is None and res["results"]["all"]["replies"] == 8
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its report module
+    spec = importlib.util.spec_from_file_location("bench_goal_signal", os.path.join(ROOT, "benchmarks", "bench_goal_signal.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # the refusals in this process: two more subprocesses cost 20 s of CI
+    assert module.main([files[0], "--json", str(tmp_path / "one.json")]) == 1
+    assert "played twice" in json.loads((tmp_path / "one.json").read_text())["failed"]["groups"]
+    with pytest.raises(SystemExit, match="given twice"):
+        module.main([files[0], files[0]])
+    with pytest.raises(SystemExit, match="no such scenario file"):
+        module.main([files[0], files[1], "--scenarios", str(tmp_path / "none.jsonl")])
