@@ -10,7 +10,9 @@ FEATURE_WORDS = {
                     "hurt", "sorry", "makes sense", "of course", "感受", "理解", "难受", "辛苦", "委屈"],
     "open_question": ["what ", "how ", "why ", "tell me", "would you", "什么", "怎么", "为什么", "吗"],
     "dismissive": ["get over it", "stop whining", "whatever", "calm down", "not a big deal", "your own fault",
-                   "overreacting", "别想了", "想开点", "至于吗", "你想多了"],
+                   "overreacting", "别想了", "想开点", "至于吗", "你想多了", "有什么难的", "能有多难"]
+    # "How hard can it be?" says it is easy: issue 50's run 4 asked it, feeling word and all, every turn
+    + [f"how {w} {v}" for w in ("hard", "tough", "difficult", "bad", "frustrating") for v in ("can", "could")],
 }
 # The agent speaking of itself as if it were the person ("I'm sorry I'm not getting the best of
 # the trainer. How can I get it?", "I feel hurt when my family ...": issue 50's first SmolLM2 run):

@@ -354,6 +354,27 @@ def test_the_hint_said_back_in_other_pronouns_serves_no_goal(goal, swapped):
     assert RuleBackend().features(swapped, "", "self_reflection")["clash"] == 0.0
 
 
+RUN4_HELD_OUT = {  # (the user's line, run 4's reply) from eval/smollm2-r3-run4, goal analyze_others (en-042)
+    "My review says I'm not a team player because I skip drinks.": "How frustrating can that can be?",
+    "Hm. I'm still upset. Why would they act like that?": "How hard can it be to miss a break on your partner feels like?",
+}
+
+
+def test_how_hard_can_it_be_is_dismissive_not_care():
+    """Issue 50's run 4 learned one template, 59 of its 60 held-out replies: a question opening
+    "How" and a feeling word ("How hard can it be to ...?"), which paid `acknowledge` and a full
+    open question every turn (+4.35 a turn). "How hard can it be?" says it is easy: dismissive
+    now, in English and Chinese, while a question that asks how hard it is stays care."""
+    f = RuleBackend().features
+    for user, reply in RUN4_HELD_OUT.items():
+        assert f(reply, user, "analyze_others")["dismissive"] == 1.0
+        assert score_before_rounding(reply, "analyze_others", last_user=user) < \
+            score_before_rounding("That sounds hard.", "analyze_others", last_user=user)
+    assert f("这有什么难的？", "", "empathy")["dismissive"] == 1.0
+    for care in ("How hard has this been for you?", "How are you holding up? That sounds tough.", "这一定很难吧？"):
+        assert f(care, "", "empathy")["dismissive"] == 0.0, care
+
+
 def test_a_reply_that_strings_every_goal_together_earns_a_fraction_of_any():
     """Issue 50 item 2: goal was paid for any two of the goal type's cues, whatever else the
     reply said: advice, praise, validation and "tell me more" strung together earned it for
