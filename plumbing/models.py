@@ -131,7 +131,7 @@ def _tiny_pre_tokenizer():
 
 
 def make_tiny_word_tokenizer():
-    """A word-level tokenizer over a fixed English vocabulary (`_tiny_vocab_pieces`: about 380
+    """A word-level tokenizer over a fixed English vocabulary (`_tiny_vocab_pieces`: about 410
     words and marks) with the same special tokens and chat template as `make_tiny_tokenizer`.
     Unknown words become <unk>; everything the tiny policy samples decodes to readable words."""
     specials = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<unk>"]
