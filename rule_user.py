@@ -242,6 +242,17 @@ class RuleBackend:
         }
 
     def appraise(self, state: UserState, reply: str) -> tuple[int, str]:
+        score, why = self.expected_change(state, reply)
+        # Stochastic rounding keeps the expected change graded (a smooth signal for RL) while
+        # staying an integer as in SAGE; the draw is seeded by the inputs, so it is repeatable.
+        rng = self._rng(state.scenario.id, state.turn, reply)
+        change = math.floor(score)
+        if rng.random() < score - change:  # round up with probability = the fractional part
+            change += 1
+        return change, f"{why}; rounded at random to {change:+d}"
+
+    def expected_change(self, state: UserState, reply: str) -> tuple[float, str]:
+        """The change before appraise's random rounding (its expectation), and the reasoning that adds up to it."""
         sc = state.scenario
         last_user = next((m["content"] for m in reversed(state.history[:-1]) if m["role"] == "user"), "")
         earlier = " ".join(m["content"] for m in state.history[:-1] if m["role"] == "assistant")
@@ -254,11 +265,10 @@ class RuleBackend:
         pushed = sc.personality_type == "avoidant" and questions(reply) > 1
         if pushed:
             w["open_question"] = -1.5  # pushed too hard: withdraws
-        # Care is paid for what is new: the care features earn their weight times the share of
-        # the reply's content words the agent's earlier replies have not said (1 - echo; the
-        # user's own words count as new: `reflect` pays for them). A stock line said again is
-        # no care the second time (a SmolLM2 run against a user that paid it in full said "how
-        # it feels" every turn: repeat rate 0.09 -> 0.21, docs/LEARNING.md).
+        # Care is paid for what is new: the care features earn their weight times the share of the reply's
+        # content words the agent's earlier replies have not said (1 - echo; the user's own words count as
+        # new: `reflect` pays for them). A stock line said again is no care the second time (a SmolLM2 run
+        # against a user that paid it in full said "how it feels" every turn: repeat rate 0.09 -> 0.21, docs/LEARNING.md).
         new = 1.0 - f["echo"]
         parts = {k: w[k] * v * (new if k in self.CARE and w[k] > 0 else 1.0) for k, v in f.items()}
         score = baseline + sum(parts.values())
@@ -275,22 +285,12 @@ class RuleBackend:
             terms.append(f"{k} {v:+.2f}{note}")
         why = "; ".join(terms) + f" = {score:+.2f}"
         if sc.personality_type == "negative":  # hard to please: less gain, bigger loss
-            if score >= 0:
-                score = score - 1.0
-                why += f"; negative personality -1 = {score:+.2f}"
-            else:
-                score = score * 1.3
-                why += f"; negative personality x1.3 = {score:+.2f}"
+            score, step = (score - 1.0, "-1") if score >= 0 else (score * 1.3, "x1.3")
+            why += f"; negative personality {step} = {score:+.2f}"
         elif sc.personality_type == "passive":  # mild: moves slowly either way
             score *= 0.7
             why += f"; passive personality x0.7 = {score:+.2f}"
-        # Stochastic rounding keeps the expected change graded (a smooth signal for RL) while
-        # staying an integer as in SAGE; the draw is seeded by the inputs, so it is repeatable.
-        rng = self._rng(sc.id, state.turn, reply)
-        change = math.floor(score)
-        if rng.random() < score - change:  # round up with probability = the fractional part
-            change += 1
-        return change, f"{why}; rounded at random to {change:+d}"
+        return score, why
 
     def respond(self, state: UserState, final: bool) -> str:
         sc, lang = state.scenario, state.scenario.language

@@ -11,8 +11,8 @@ fourth run, where this measured why three runs did not learn it).
         --scenarios data/scenarios_train.jsonl
 
 Every reply of every transcript is appraised again by today's rule user (rule_user.RuleBackend,
-the user's lines as the transcript has them): its expected change (before the random rounding,
-clamped to the standard user's +-10), summed over the dialogue. The transcripts of one scenario
+the user's lines as the transcript has them): its expected change (RuleBackend.expected_change,
+before the random rounding, clamped as the simulator clamps), summed over the dialogue. The transcripts of one scenario
 (one per file: one per seed) are a group, as in GRPO. Printed per goal type: the replies, the
 share that serve the goal (plumbing.logs.reply_measures' goal_fit), the groups holding a
 dialogue with such a reply, and those dialogues' mean advantage (summed change minus the group's
@@ -46,12 +46,10 @@ from simulator import USERS, UserState  # noqa: E402
 
 
 def expected_change(user: RuleBackend, state: UserState) -> float:
-    """The rule user's change for the last reply of `state.history` before its random rounding:
-    the last sum its reasoning states ("... = +2.50; passive personality x0.7 = +1.75; rounded
-    at random to +2": the terms add up, tests/test_rule_user.py; to its 2 decimals), clamped as
-    the simulator clamps the rounded change (the same in expectation: the bounds are integers)."""
-    _, why = user.appraise(state, state.history[-1]["content"])
-    score = float(why.rsplit("; rounded", 1)[0].rsplit("= ", 1)[1])
+    """The rule user's change for the last reply of `state.history` before its random rounding
+    (RuleBackend.expected_change), clamped as the simulator clamps the rounded change (the same
+    in expectation: the bounds are integers)."""
+    score, _ = user.expected_change(state, state.history[-1]["content"])
     cap = USERS[state.user]["max_change"]
     return max(-cap, min(cap, score))
 

@@ -150,8 +150,8 @@ def test_bench_goal_signal_toy(tmp_path, monkeypatch):
     """Issue 50's fourth run: the goal signal, two scenarios played twice (two "seeds") for two
     turns each, a third played once (no group) and one dialogue with no reply (left out, as GRPO
     leaves it). The advantage of the dialogue that serves the goal, in sd of all advantages,
-    against the same figure computed here from the rule user's features and weights (not from
-    its reasoning's text, which the script reads), a negative user's x1.3 below zero and a
+    against the same figure computed here from the rule user's features and weights (not by
+    RuleBackend.expected_change, which the script calls), a negative user's x1.3 below zero and a
     passive user's x0.7 included; GRPO's advantage in a group of two is +-1/sqrt(2). One file
     alone holds no group, the same file twice is refused."""
     from rule_user import RuleBackend
