@@ -54,8 +54,8 @@ def expected_change(user: RuleBackend, state: UserState) -> float:
     return max(-cap, min(cap, score))
 
 
-def dialogue_signal(record: dict, scenario, user: RuleBackend, who: str) -> tuple[float, int, int]:
-    """-> (the dialogue's summed expected change, its replies with a goal, those that serve it)."""
+def dialogue_signal(record: dict, scenario, user: RuleBackend, who: str) -> dict:
+    """-> the dialogue's goal type, summed expected change, replies with a goal, and those that serve it."""
     history, total, replies = record["history"], 0.0, 0
     for k, m in enumerate(history):
         if m.get("role") in AGENT_ROLES:
@@ -63,7 +63,7 @@ def dialogue_signal(record: dict, scenario, user: RuleBackend, who: str) -> tupl
             total += expected_change(user, state)
             replies += 1
     fits = [m["goal_fit"] for m in reply_measures(history, scenario.goal_type) if m["goal_fit"] is not None]
-    return total, len(fits), int(sum(fits))
+    return {"goal": scenario.goal_type, "total": total, "replies": len(fits), "serving": int(sum(fits))}
 
 
 def protocol_of(path: str) -> dict:
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         refuse("two files were played with the same weights and seed: the same dialogues are no group")
     if len({p.get("user", "standard") for _, p, _ in files}) > 1:
         refuse("the files were played against different users (protocol.json 'user')")
-    user, groups = RuleBackend(), {}
+    user, groups, who = RuleBackend(), {}, files[0][1].get("user", "standard")
     for path, protocol, records in files:
         if not records:
             refuse(f"{path}: no dialogue")
@@ -102,27 +102,30 @@ def main(argv=None) -> int:
                 refuse(f"{path}: dialogue {n}: scenario {rec.get('scenario_id')!r} is not in {args.scenarios}")
             if rec["valid"] is True and any(m.get("role") in AGENT_ROLES for m in rec["history"]):  # as GRPO
                 key = (protocol.get("weights", rec.get("model")), sc.id)
-                groups.setdefault(key, []).append((sc.goal_type, *dialogue_signal(rec, sc, user, protocol.get("user", "standard"))))
+                groups.setdefault(key, []).append({**dialogue_signal(rec, sc, user, who), "group": key})
     played = [(key, g) for key, g in groups.items() if len(g) >= 2]
     if not played:
         return report.finish(args.json, {}, {"groups": "no scenario was played twice: no group, no advantage"})
-    rows = [(goal, total - statistics.mean(t for _, t, _, _ in g), n, fit, key) for key, g in played for goal, total, n, fit in g]
-    sd = statistics.pstdev(adv for _, adv, _, _, _ in rows)
+    rows = [{**d, "advantage": d["total"] - statistics.mean(e["total"] for e in g)} for _, g in played for d in g]
+    sd = statistics.pstdev(r["advantage"] for r in rows)
     if sd == 0:
         return report.finish(args.json, {}, {"spread": "every group's dialogues are equal: no advantage anywhere"})
-    ids = torch.tensor([i for i, (_, g) in enumerate(played) for _ in g])
-    grpo = group_advantages(torch.tensor([t / 100 for _, g in played for _, t, _, _ in g]), ids).tolist()
+    ids = torch.tensor([i for i, (_, g) in enumerate(played) for _ in g])  # rows are in the same order
+    grpo = group_advantages(torch.tensor([r["total"] / 100 for r in rows]), ids).tolist()
+    for r, a in zip(rows, grpo):
+        r["grpo"] = a
     results = {}
-    for goal in sorted({r[0] for r in rows}) + ["all"]:
-        mine = [(r, a) for r, a in zip(rows, grpo) if goal in ("all", r[0])]
-        serving = [(r[1] / sd, a) for r, a in mine if r[3]]
-        replies = sum(r[2] for r, _ in mine)
-        results[goal] = {"replies": replies, "goal_fit": sum(r[3] for r, _ in mine) / replies if replies else None,
-                         "groups": len({r[4] for r, _ in mine}), "groups_serving": len({r[4] for r, _ in mine if r[3]}),
+    for goal in sorted({r["goal"] for r in rows}) + ["all"]:
+        mine = [r for r in rows if goal in ("all", r["goal"])]
+        serving = [r for r in mine if r["serving"]]
+        adv = [r["advantage"] / sd for r in serving]
+        replies = sum(r["replies"] for r in mine)
+        results[goal] = {"replies": replies, "goal_fit": sum(r["serving"] for r in mine) / replies if replies else None,
+                         "groups": len({r["group"] for r in mine}), "groups_serving": len({r["group"] for r in serving}),
                          "dialogues_serving": len(serving),
-                         "advantage_sd": statistics.mean(x for x, _ in serving) if serving else None,
-                         "advantage_se": statistics.stdev(x for x, _ in serving) / len(serving) ** 0.5 if len(serving) > 1 else None,
-                         "grpo_advantage": statistics.mean(a for _, a in serving) if serving else None}
+                         "advantage_sd": statistics.mean(adv) if adv else None,
+                         "advantage_se": statistics.stdev(adv) / len(adv) ** 0.5 if len(adv) > 1 else None,
+                         "grpo_advantage": statistics.mean(r["grpo"] for r in serving) if serving else None}
     def num(x, spec):
         return "-" if x is None else format(x, spec)
     print(f"{'goal type':16} {'replies':>7} {'goal_fit':>8} {'groups':>6} {'serving':>7} {'n':>3} "
