@@ -205,3 +205,58 @@ def test_bench_goal_signal_toy(tmp_path, monkeypatch):
         module.main([files[0], files[0]])
     with pytest.raises(SystemExit, match="no such scenario file"):
         module.main([files[0], files[1], "--scenarios", str(tmp_path / "none.jsonl")])
+
+
+def test_bench_goal_reader_toy(tmp_path, monkeypatch):
+    """Issue 50's readers' audit: six labelled replies whose cue judgments are read off the cue
+    lists by hand (plumbing/rule_words.py): "You could try" serves advice, "Your right" (as
+    misspelled) is no validation cue, "brave" pays praise even in "I'm not brave anymore", "Tell
+    me more" serves a venter but "try", "you could", "plan" beside it clash (so no fit), and a
+    reader who marks a reply both serving and clashing does not call it a fit. Recall, precision
+    and Cohen's kappa against the figures worked out here, a second reader on three replies, one
+    row per model with --by model. A bad line is refused naming file and line."""
+    rows = [("a", "advice", "You could try one small step tomorrow.", True, False, (True, True)),
+            ("a", "validation", "Your right, they were wrong to do that.", True, False, (True, False)),
+            ("a", "praise", "I'm not brave anymore, sorry.", False, False, None),
+            ("b", "venting", "Tell me more. You could try a plan.", False, True, (False, True)),
+            ("b", "empathy", "That sounds hard.", False, False, None),
+            ("b", "advice", "Maybe you could make a plan for Monday.", True, True, None)]
+    path = tmp_path / "labels.jsonl"
+    path.write_text("".join(json.dumps({"id": f"r{k}", "model": m, "goal_type": g, "user_line": "It still feels bad.",
+                                        "reply": reply, "serves": s, "clash": c,
+                                        **({"second": {"serves": two[0], "clash": two[1]}} if two else {})}) + "\n"
+                            for k, (m, g, reply, s, c, two) in enumerate(rows)))
+    rc, out, log, res = bench(tmp_path, "bench_goal_reader.py", str(path), "--show")
+    assert rc == 0, log[-3000:]
+    fit, clash, readers, readers_clash = (res["results"]["all"][k] for k in ("fit", "clash", "readers", "readers_clash"))
+    # fit, (reader, cues): (T,T) (T,F) (F,T) (F,F) (F,F) (F,T): agree 3 of 6, chance (2*3 + 4*3)/36
+    assert (fit["n"], fit["reader"], fit["other"], fit["both"]) == (6, 2, 3, 1)
+    assert (fit["recall"], fit["precision"]) == (0.5, pytest.approx(1 / 3))
+    assert fit["kappa"] == pytest.approx((3 / 6 - 18 / 36) / (1 - 18 / 36))
+    # clash: (F,F) (F,F) (F,F) (T,T) (F,F) (T,F): agree 5 of 6, chance (2*1 + 4*5)/36
+    assert (clash["reader"], clash["other"], clash["both"]) == (2, 1, 1)
+    assert clash["kappa"] == pytest.approx((5 / 6 - 22 / 36) / (1 - 22 / 36))
+    # the readers, fit: (T,F) (T,T) (F,F); clash: (F,T) (F,F) (T,T): both agree 2 of 3, chance 4/9
+    assert (readers["n"], readers["reader"], readers["other"]) == (3, 2, 1)
+    assert readers["kappa"] == pytest.approx((2 / 3 - 4 / 9) / (1 - 4 / 9))
+    assert (readers_clash["reader"], readers_clash["other"]) == (1, 2)
+    assert readers_clash["kappa"] == pytest.approx((2 / 3 - 4 / 9) / (1 - 4 / 9))
+    assert res["results"]["validation"]["fit"]["recall"] == 0.0 and "Your right" in out  # --show: where they differ
+    rc, _, log, res = bench(tmp_path, "bench_goal_reader.py", str(path), "--by", "model")
+    assert rc == 0 and list(res["results"]) == ["a", "b", "all"], log[-3000:]
+    assert [res["results"]["a"]["fit"][k] for k in ("reader", "other", "both")] == [2, 2, 1]
+    assert res["results"]["b"]["readers"]["n"] == 1
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its report module
+    spec = importlib.util.spec_from_file_location("bench_goal_reader", os.path.join(ROOT, "benchmarks", "bench_goal_reader.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # the refusals in this process
+    for bad, why in [({"id": "x", "model": "a", "goal_type": "advice"}, r"7: missing or mistyped user_line, reply, serves"),
+                     ([1], "7: not a JSON object"),
+                     ({"id": "x", "model": "a", "goal_type": "gardening", "user_line": "", "reply": "", "serves": True,
+                       "clash": False}, "7: unknown goal type 'gardening'"),
+                     ({"id": "x", "model": "a", "goal_type": "advice", "user_line": "", "reply": "", "serves": True,
+                       "clash": False, "second": [True]}, "7: 'second' needs serves and clash")]:
+        broken = tmp_path / "labels.jsonl"
+        broken.write_text("".join(path.read_text().splitlines(keepends=True)[:6]) + json.dumps(bad) + "\n")
+        with pytest.raises(SystemExit, match="labels.jsonl:" + why):
+            module.main([str(broken)])
