@@ -260,3 +260,7 @@ def test_bench_goal_reader_toy(tmp_path, monkeypatch):
         broken.write_text("".join(path.read_text().splitlines(keepends=True)[:6]) + json.dumps(bad) + "\n")
         with pytest.raises(SystemExit, match="labels.jsonl:" + why):
             module.main([str(broken)])
+    import glob  # the committed labels (docs/LEARNING.md's tables) load, each reply of a model once
+    for labels in glob.glob(os.path.join(ROOT, "data", "goal_reader_labels*.jsonl")):
+        rows = module.load_labels(labels)
+        assert rows and len({r["id"] for r in rows}) == len(rows), labels
