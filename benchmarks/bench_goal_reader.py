@@ -27,8 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE)]
 
 import report  # noqa: E402
+from plumbing.logs import fmt, reply_measures  # noqa: E402
 from plumbing.rule_words import GOAL_WORDS  # noqa: E402
-from rule_user import RuleBackend  # noqa: E402
 from simulator import CHITCHAT_GOALS  # noqa: E402
 
 FIELDS = {"id": str, "model": str, "goal_type": str, "user_line": str, "reply": str, "serves": bool, "clash": bool}
@@ -87,10 +87,10 @@ def main(argv=None) -> int:
         sys.exit(f"bench_goal_reader.py: {e}")
     if not rows:
         return report.finish(args.json, {}, {"labels": f"no labelled reply in {args.labels}"})
-    user = RuleBackend()
-    for r in rows:  # goal and clash read only the reply and the line it answers
-        f = user.features(r["reply"], r["user_line"], r["goal_type"])
-        r["cue_fit"], r["cue_clash"] = f["goal"] > 0 and f["clash"] == 0, f["clash"] > 0
+    for r in rows:  # goal_fit and clash read only the reply and the line it answers
+        m = reply_measures([{"role": "user", "content": r["user_line"]}, {"role": "assistant", "content": r["reply"]}],
+                           r["goal_type"])[0]
+        r["cue_fit"], r["cue_clash"] = bool(m["goal_fit"]), m["rule_clash"] > 0
         r["reader_fit"] = r["serves"] and not r["clash"]
     results = {}
     for group in list(dict.fromkeys(sorted(r[args.by] for r in rows) if args.by == "goal_type" else
@@ -102,17 +102,15 @@ def main(argv=None) -> int:
                           "readers": agreement([(r["reader_fit"], b["serves"] and not b["clash"]) for r, b in two])
                           if two else None,
                           "readers_clash": agreement([(r["clash"], b["clash"]) for r, b in two]) if two else None}
-    def num(x, spec=".2f"):
-        return "-" if x is None else format(x, spec)
     print(f"{args.by.replace('_', ' '):16} {'replies':>7} | fit: {'reader':>6} {'cues':>4} {'both':>4} {'recall':>6} "
           f"{'precision':>9} {'kappa':>5} | clash: {'reader':>6} {'cues':>4} {'both':>4} {'kappa':>5} | readers' kappa: "
           f"fit, clash")
     for group, r in results.items():
         fit, clash, two, two_clash = r["fit"], r["clash"], r["readers"], r["readers_clash"]
-        print(f"{group:16} {fit['n']:7d} |      {fit['reader']:6d} {fit['other']:4d} {fit['both']:4d} {num(fit['recall']):>6} "
-              f"{num(fit['precision']):>9} {num(fit['kappa'], '+.2f'):>5} |        {clash['reader']:6d} {clash['other']:4d} "
-              f"{clash['both']:4d} {num(clash['kappa'], '+.2f'):>5} | "
-              + (f"{num(two['kappa'], '+.2f')}, {num(two_clash['kappa'], '+.2f')} (n {two['n']}; second reader's fit "
+        print(f"{group:16} {fit['n']:7d} |      {fit['reader']:6d} {fit['other']:4d} {fit['both']:4d} "
+              f"{fmt(fit['recall'], '.2f'):>6} {fmt(fit['precision'], '.2f'):>9} {fmt(fit['kappa'], '+.2f'):>5} |        "
+              f"{clash['reader']:6d} {clash['other']:4d} {clash['both']:4d} {fmt(clash['kappa'], '+.2f'):>5} | "
+              + (f"{fmt(two['kappa'], '+.2f')}, {fmt(two_clash['kappa'], '+.2f')} (n {two['n']}; second reader's fit "
                  f"{two['other']}, clash {two_clash['other']})" if two else "-"))
     if args.show:
         for r in rows:

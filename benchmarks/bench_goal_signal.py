@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import report  # noqa: E402
 from evaluate import load_transcripts  # noqa: E402
 from grpo import group_advantages  # noqa: E402
-from plumbing.logs import AGENT_ROLES, reply_measures  # noqa: E402
+from plumbing.logs import AGENT_ROLES, fmt, reply_measures  # noqa: E402
 from plumbing.scenarios import load_scenarios  # noqa: E402
 from rule_user import RuleBackend  # noqa: E402
 from simulator import USERS, UserState  # noqa: E402
@@ -126,14 +126,12 @@ def main(argv=None) -> int:
                          "advantage_sd": statistics.mean(adv) if adv else None,
                          "advantage_se": statistics.stdev(adv) / len(adv) ** 0.5 if len(adv) > 1 else None,
                          "grpo_advantage": statistics.mean(r["grpo"] for r in serving) if serving else None}
-    def num(x, spec):
-        return "-" if x is None else format(x, spec)
     print(f"{'goal type':16} {'replies':>7} {'goal_fit':>8} {'groups':>6} {'serving':>7} {'n':>3} "
           f"{'advantage (sd)':>15} {'GRPO advantage':>14}")
     for goal, r in results.items():
-        adv = num(r["advantage_sd"], "+.2f") + (f" ±{r['advantage_se']:.2f}" if r["advantage_se"] is not None else "")
-        print(f"{goal:16} {r['replies']:7d} {num(r['goal_fit'], '8.3f'):>8} {r['groups']:6d} {r['groups_serving']:7d} "
-              f"{r['dialogues_serving']:3d} {adv:>15} {num(r['grpo_advantage'], '+.2f'):>14}")
+        adv = fmt(r["advantage_sd"], "+.2f") + (f" ±{r['advantage_se']:.2f}" if r["advantage_se"] is not None else "")
+        print(f"{goal:16} {r['replies']:7d} {fmt(r['goal_fit'], '8.3f'):>8} {r['groups']:6d} {r['groups_serving']:7d} "
+              f"{r['dialogues_serving']:3d} {adv:>15} {fmt(r['grpo_advantage'], '+.2f'):>14}")
     print(f"n: the goal-serving dialogues; ±: one standard error; sd of all dialogues' advantages: {sd:.2f} "
           f"emotion points; {report.command()}")
     return report.finish(args.json, results, {})
