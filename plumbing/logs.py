@@ -185,6 +185,9 @@ def unscored_problem(batch, step: int, steps: int) -> str:
 
 CURVES = [("reward", "mean reward (final emotion / 100)"), ("response_length", "tokens per agent turn"),
           ("format_violation_rate", "format violations per agent turn")]
+# Panels drawn only when the run logged them: the KL to the reference model (--kl-coef > 0), how
+# far the policy moved from where it started (docs/LEARNING.md, issue 50's run 6).
+LOGGED_CURVES = [("kl", "KL to the reference (k3 per token)")]
 
 
 # The fourth panel: what the replies look like (each a share or a feature in [0, 1], the mean per
@@ -202,8 +205,9 @@ def _moving_average(values, k):
 
 def plot_curve(metrics_path, png_path, title):
     """Per step, with a moving average: the mean reward, the agent's reply length, the share of
-    its turns that broke the format and, when logged, what its replies look like to the rule
-    user (FEATURE_CURVES, moving averages) -> one PNG of three or four panels."""
+    its turns that broke the format, when logged the KL to the reference (LOGGED_CURVES) and
+    what its replies look like to the rule user (FEATURE_CURVES, moving averages) -> one PNG of
+    three to five panels."""
     # A value that is null (a step with no valid dialogue, or no agent turn) is not plotted in
     # its panel (not drawn as 0).
     with open(metrics_path, encoding="utf-8") as f:
@@ -211,9 +215,13 @@ def plot_curve(metrics_path, png_path, title):
     if not any(r.get("reward") is not None for r in rows):
         return
     k = max(1, len(rows) // 10)  # the moving average: the last k steps up to each one
-    features = [(key, label) for key, label in FEATURE_CURVES if any(r.get(key) is not None for r in rows)]
-    fig, axes = plt.subplots(1, len(CURVES) + bool(features), figsize=(13 + 4.5 * bool(features), 3.5))
-    for ax, (key, label) in zip(axes, CURVES):
+
+    def logged(curves):  # those some step has a value for
+        return [(key, label) for key, label in curves if any(r.get(key) is not None for r in rows)]
+    panels, features = CURVES + logged(LOGGED_CURVES), logged(FEATURE_CURVES)
+    fig, axes = plt.subplots(1, len(panels) + bool(features),
+                             figsize=(13 * len(panels) / len(CURVES) + 4.5 * bool(features), 3.5))
+    for ax, (key, label) in zip(axes, panels):
         kept = [r for r in rows if r.get(key) is not None]
         steps, values = [r["step"] for r in kept], [r[key] for r in kept]
         ax.plot(steps, values, alpha=0.5, label="per step")

@@ -301,6 +301,21 @@ def test_steps_without_reward_are_not_plotted_as_zero(tmp_path):
     assert os.path.getsize(tmp_path / "c.png") > 1000
 
 
+def test_the_kl_to_the_reference_is_plotted_when_logged(tmp_path):
+    """Issue 50's run 6 (--kl-coef 0.04): the KL the training log records is a panel of the curves,
+    a fourth beside the three every run draws; a run without a KL draws three."""
+    from PIL import Image
+    from plumbing.logs import plot_curve
+    widths = {}
+    for name, kl in (("none", None), ("kl", 0.1)):
+        m = tmp_path / f"{name}.jsonl"
+        m.write_text("".join(json.dumps({"step": i, "reward": 0.3, "response_length": 20, "format_violation_rate": 0,
+                                         **({"kl": kl * i} if kl else {})}) + "\n" for i in range(4)))
+        plot_curve(str(m), str(tmp_path / f"{name}.png"), "t")
+        widths[name] = Image.open(tmp_path / f"{name}.png").size[0]
+    assert widths["kl"] >= widths["none"] * 4 / 3 - 2  # one panel more, each as wide
+
+
 def test_truncate_logs_keeps_earlier_steps_and_is_atomic(tmp_path, monkeypatch):
     """Item 7: both logs are cut back to the checkpoint's step, a torn last line is dropped, and
     a failure before the rename leaves the old file whole."""
