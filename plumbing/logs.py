@@ -185,12 +185,13 @@ def unscored_problem(batch, step: int, steps: int) -> str:
 
 CURVES = [("reward", "mean reward (final emotion / 100)"), ("response_length", "tokens per agent turn"),
           ("format_violation_rate", "format violations per agent turn")]
-# Panels drawn only when the run logged them: the KL to the reference model (--kl-coef > 0), how
-# far the policy moved from where it started (docs/LEARNING.md, issue 50's run 6).
-LOGGED_CURVES = [("kl", "KL to the reference (k3 per token)")]
+# Curves with a panel of their own after CURVES, drawn only when the run logged them: the KL to
+# the reference model (--kl-coef > 0; the k3 estimate the update logs), how far the policy moved
+# from where it started (docs/LEARNING.md, issue 50's run 6).
+OPTIONAL_CURVES = [("kl", "KL to the reference (k3 per token)")]
 
 
-# The fourth panel: what the replies look like (each a share or a feature in [0, 1], the mean per
+# The last panel: what the replies look like (each a share or a feature in [0, 1], the mean per
 # reply): what the rule user pays for, and the ways of gaming it that it docks.
 FEATURE_CURVES = [("rule_acknowledge", "acknowledge"), ("rule_reflect", "reflect"),
                   ("rule_open_question", "open question"), ("rule_goal", "goal"), ("rule_echo", "echo"),
@@ -205,7 +206,7 @@ def _moving_average(values, k):
 
 def plot_curve(metrics_path, png_path, title):
     """Per step, with a moving average: the mean reward, the agent's reply length, the share of
-    its turns that broke the format, when logged the KL to the reference (LOGGED_CURVES) and
+    its turns that broke the format, when logged the KL to the reference (OPTIONAL_CURVES) and
     what its replies look like to the rule user (FEATURE_CURVES, moving averages) -> one PNG of
     three to five panels."""
     # A value that is null (a step with no valid dialogue, or no agent turn) is not plotted in
@@ -218,9 +219,9 @@ def plot_curve(metrics_path, png_path, title):
 
     def logged(curves):  # those some step has a value for
         return [(key, label) for key, label in curves if any(r.get(key) is not None for r in rows)]
-    panels, features = CURVES + logged(LOGGED_CURVES), logged(FEATURE_CURVES)
+    panels, features = CURVES + logged(OPTIONAL_CURVES), logged(FEATURE_CURVES)
     fig, axes = plt.subplots(1, len(panels) + bool(features),
-                             figsize=(13 * len(panels) / len(CURVES) + 4.5 * bool(features), 3.5))
+                             figsize=(13 / 3 * len(panels) + 4.5 * bool(features), 3.5))  # 13/3 inches a panel
     for ax, (key, label) in zip(axes, panels):
         kept = [r for r in rows if r.get(key) is not None]
         steps, values = [r["step"] for r in kept], [r[key] for r in kept]

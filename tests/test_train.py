@@ -301,19 +301,35 @@ def test_steps_without_reward_are_not_plotted_as_zero(tmp_path):
     assert os.path.getsize(tmp_path / "c.png") > 1000
 
 
-def test_the_kl_to_the_reference_is_plotted_when_logged(tmp_path):
-    """Issue 50's run 6 (--kl-coef 0.04): the KL the training log records is a panel of the curves,
-    a fourth beside the three every run draws; a run without a KL draws three."""
-    from PIL import Image
-    from plumbing.logs import plot_curve
-    widths = {}
-    for name, kl in (("none", None), ("kl", 0.1)):
-        m = tmp_path / f"{name}.jsonl"
+def test_the_kl_to_the_reference_is_plotted_when_logged(tmp_path, monkeypatch):
+    """Issue 50's run 6 (--kl-coef 0.04): the KL the training log records has a panel of its own,
+    after the three every run draws and before the rule user's features; a run without a KL, or
+    with none logged at any step, draws what it drew before."""
+    import plumbing.logs as logs
+    drawn = []
+    def subplots(*args, **kwargs):  # keep each figure's panels to read their labels
+        fig, axes = real(*args, **kwargs)
+        drawn.append(axes)
+        return fig, axes
+    real = logs.plt.subplots
+    monkeypatch.setattr(logs.plt, "subplots", subplots)
+    base = [label for _, label in logs.CURVES]
+    kl_label = logs.OPTIONAL_CURVES[0][1]
+    features = logs.FEATURE_CURVES[0][0]
+    for extra, want in (({}, base), ({"kl": None}, base), ({"kl": 0.1}, base + [kl_label]),
+                        ({"kl": 0.1, features: 0.5}, base + [kl_label, "features"])):
+        m = tmp_path / "m.jsonl"
         m.write_text("".join(json.dumps({"step": i, "reward": 0.3, "response_length": 20, "format_violation_rate": 0,
-                                         **({"kl": kl * i} if kl else {})}) + "\n" for i in range(4)))
-        plot_curve(str(m), str(tmp_path / f"{name}.png"), "t")
-        widths[name] = Image.open(tmp_path / f"{name}.png").size[0]
-    assert widths["kl"] >= widths["none"] * 4 / 3 - 2  # one panel more, each as wide
+                                         **{k: v if v is None else v * i for k, v in extra.items()}}) + "\n"
+                             for i in range(4)))
+        logs.plot_curve(str(m), str(tmp_path / "c.png"), "t")
+        labels = [ax.get_ylabel() for ax in drawn[-1]]
+        assert labels[:len(base) + 1] == want[:len(base) + 1] and len(labels) == len(want), (extra, labels)
+        if "features" in want:
+            assert labels[-1].startswith("share of replies")
+        kl_ax = [ax for ax in drawn[-1] if ax.get_ylabel() == kl_label]
+        if kl_ax:  # the panel holds the logged values, not an empty frame
+            assert list(kl_ax[0].lines[0].get_ydata()) == pytest.approx([0, 0.1, 0.2, 0.3])
 
 
 def test_truncate_logs_keeps_earlier_steps_and_is_atomic(tmp_path, monkeypatch):
