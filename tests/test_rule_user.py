@@ -276,6 +276,25 @@ def test_a_word_said_in_most_replies_is_a_tic():
     assert [m["tic"] for m in tic] == [1, 1, 1] and [m["tic"] for m in varied] == [0, 0, 0]
 
 
+def test_the_tic_reaches_the_training_log_and_the_reply_statistics():
+    """Issue 50 item 1 asks for the tic in the training log and in evaluate.py --reply-stats too:
+    both give `tics_per_reply`, the mean over the replies of all dialogues ("too" in each of the
+    first dialogue's 3 replies, no tic in the second's 2: 3 / 5)."""
+    from types import SimpleNamespace
+
+    from evaluate import reply_stats
+    from plumbing.logs import rollout_stats
+    def dialogue(replies):
+        history = [m for r in replies for m in ({"role": "user", "content": "It was awful."},
+                                                {"role": "assistant", "content": r})]
+        return {"history": history, "goal_type": "empathy", "valid": True, "outcome": "max_turns", "reward": 0.5,
+                "emotion": 50, "turns": len(replies), "response_lengths": [4] * len(replies), "format_violations": 0,
+                "scenario_id": "x"}
+    both = [dialogue(["That hurts too.", "I'm sad too, truly.", "You matter too."]), dialogue(["That hurts.", "Go on."])]
+    assert rollout_stats(SimpleNamespace(metrics=both))["tics_per_reply"] == pytest.approx(3 / 5)
+    assert reply_stats(both)["tics_per_reply"] == pytest.approx(3 / 5)
+
+
 @pytest.mark.parametrize("goal,right,wrong", [
     ("venting", "I'm here. Let it out, I'm listening.", "You should try to make a plan, one step at a time."),
     ("empathy", "That sounds so heavy. I hear you, you're not alone in this.",
