@@ -67,9 +67,19 @@ def dialogue_signal(record: dict, scenario, user: RuleBackend, who: str) -> dict
 
 
 def protocol_of(path: str) -> dict:
-    """evaluate.py's protocol.json beside a transcripts file ({} when there is none)."""
+    """evaluate.py's protocol.json beside a transcripts file ({} when there is none); one that is
+    not a JSON object is a ValueError naming it."""
     beside = os.path.join(os.path.dirname(path), "protocol.json")
-    return json.load(open(beside, encoding="utf-8")) if os.path.isfile(beside) else {}
+    if not os.path.isfile(beside):
+        return {}
+    with open(beside, encoding="utf-8") as f:
+        try:
+            protocol = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{beside}: not JSON ({e.msg})") from None
+    if not isinstance(protocol, dict):
+        raise ValueError(f"{beside}: not a JSON object")
+    return protocol
 
 
 def main(argv=None) -> int:

@@ -153,7 +153,8 @@ def test_bench_goal_signal_toy(tmp_path, monkeypatch):
     against the same figure computed here from the rule user's features and weights (not by
     RuleBackend.expected_change, which the script calls), a negative user's x1.3 below zero and a
     passive user's x0.7 included; GRPO's advantage in a group of two is +-1/sqrt(2). One file
-    alone holds no group, the same file twice is refused."""
+    alone holds no group, the same file twice is refused, and so is a protocol.json beside the
+    files that is not a JSON object (one line naming it)."""
     from rule_user import RuleBackend
     from plumbing.scenarios import load_scenarios
     scen = {s.id: s for s in load_scenarios(os.path.join(ROOT, "data", "scenarios_train.jsonl"))}
@@ -205,6 +206,10 @@ def test_bench_goal_signal_toy(tmp_path, monkeypatch):
         module.main([files[0], files[0]])
     with pytest.raises(SystemExit, match="no such scenario file"):
         module.main([files[0], files[1], "--scenarios", str(tmp_path / "none.jsonl")])
+    for bad, why in (("{'seed': 0", "protocol.json: not JSON"), ("[0, 1]", "protocol.json: not a JSON object")):
+        (tmp_path / "protocol.json").write_text(bad)  # beside both files: one line naming it, no traceback
+        with pytest.raises(SystemExit, match=why):
+            module.main([files[0], files[1]])
 
 
 def test_bench_goal_reader_toy(tmp_path, monkeypatch):
