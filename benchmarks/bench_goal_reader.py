@@ -19,7 +19,6 @@ too, the readers' kappa on fit and on clash: how far the labels themselves can b
 status 1 when no reply has a label.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -43,12 +42,7 @@ def load_labels(path: str) -> list[dict]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: not a JSON object")
+            row = report.json_object(line, f"{path}:{n}")
             bad = [k for k, t in FIELDS.items() if not isinstance(row.get(k), t)]
             if bad:
                 raise ValueError(f"{path}:{n}: missing or mistyped {', '.join(bad)}")

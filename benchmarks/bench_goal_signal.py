@@ -26,7 +26,6 @@ level each reply answered, not what today's user would have said; and the summed
 the emotion's [0, 100] bounds (harmless at 3 turns from 30).
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -73,13 +72,7 @@ def protocol_of(path: str) -> dict:
     if not os.path.isfile(beside):
         return {}
     with open(beside, encoding="utf-8") as f:
-        try:
-            protocol = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{beside}: not JSON ({e.msg})") from None
-    if not isinstance(protocol, dict):
-        raise ValueError(f"{beside}: not a JSON object")
-    return protocol
+        return report.json_object(f.read(), beside)
 
 
 def main(argv=None) -> int:
