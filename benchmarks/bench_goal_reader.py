@@ -28,6 +28,7 @@ sys.path[:0] = [os.path.dirname(HERE)]
 import report  # noqa: E402
 from plumbing.logs import fmt, reply_measures  # noqa: E402
 from plumbing.rule_words import GOAL_WORDS  # noqa: E402
+from plumbing.scenarios import json_line  # noqa: E402
 from simulator import CHITCHAT_GOALS  # noqa: E402
 
 FIELDS = {"id": str, "model": str, "goal_type": str, "user_line": str, "reply": str, "serves": bool, "clash": bool}
@@ -38,11 +39,17 @@ def load_labels(path: str) -> list[dict]:
     it marked one; "second": a second reader's serves and clash, optional); a bad line is one
     ValueError naming the file and line."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is named with its number
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 text (byte {e.start + 1} of the line)") from None
             if not line.strip():
                 continue
-            row = report.json_object(line, f"{path}:{n}")
+            row = json_line(line, f"{path}:{n}")
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: not a JSON object")
             bad = [k for k, t in FIELDS.items() if not isinstance(row.get(k), t)]
             if bad:
                 raise ValueError(f"{path}:{n}: missing or mistyped {', '.join(bad)}")

@@ -39,7 +39,7 @@ import report  # noqa: E402
 from evaluate import load_transcripts  # noqa: E402
 from grpo import group_advantages  # noqa: E402
 from plumbing.logs import AGENT_ROLES, fmt, reply_measures  # noqa: E402
-from plumbing.scenarios import load_scenarios  # noqa: E402
+from plumbing.scenarios import json_line, load_scenarios  # noqa: E402
 from rule_user import RuleBackend  # noqa: E402
 from simulator import USERS, UserState  # noqa: E402
 
@@ -71,8 +71,14 @@ def protocol_of(path: str) -> dict:
     beside = os.path.join(os.path.dirname(path), "protocol.json")
     if not os.path.isfile(beside):
         return {}
-    with open(beside, encoding="utf-8") as f:
-        return report.json_object(f.read(), beside)
+    try:
+        with open(beside, encoding="utf-8") as f:
+            protocol = json_line(f.read(), beside)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{beside}: not UTF-8 text (byte {e.start})") from None
+    if not isinstance(protocol, dict):
+        raise ValueError(f"{beside}: not a JSON object")
+    return protocol
 
 
 def main(argv=None) -> int:

@@ -1,21 +1,10 @@
-"""What the benchmark scripts share: reading a JSON object from an input file, the command line
-they print beside their tables, and the end of a run: its results as JSON (--json PATH, read by tests/test_benchmarks.py) and an exit
+"""What the benchmark scripts share: the command line they print beside their tables, and the
+end of a run: its results as JSON (--json PATH, read by tests/test_benchmarks.py) and an exit
 status that says whether every configuration asked for produced a result."""
 import json
 import os
 import shlex
 import sys
-
-
-def json_object(text: str, where: str) -> dict:
-    """`text` as a JSON object; anything else is one ValueError naming `where` (a file, or file:line)."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON ({e.msg})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: not a JSON object")
-    return obj
 
 
 def command(argv=None) -> str:

@@ -154,7 +154,7 @@ def test_bench_goal_signal_toy(tmp_path, monkeypatch):
     RuleBackend.expected_change, which the script calls), a negative user's x1.3 below zero and a
     passive user's x0.7 included; GRPO's advantage in a group of two is +-1/sqrt(2). One file
     alone holds no group, the same file twice is refused, and so is a protocol.json beside the
-    files that is not a JSON object (one line naming it)."""
+    files that is not a JSON object in UTF-8 (one line naming it)."""
     from rule_user import RuleBackend
     from plumbing.scenarios import load_scenarios
     scen = {s.id: s for s in load_scenarios(os.path.join(ROOT, "data", "scenarios_train.jsonl"))}
@@ -206,8 +206,10 @@ def test_bench_goal_signal_toy(tmp_path, monkeypatch):
         module.main([files[0], files[0]])
     with pytest.raises(SystemExit, match="no such scenario file"):
         module.main([files[0], files[1], "--scenarios", str(tmp_path / "none.jsonl")])
-    for bad, why in (("{'seed': 0", "protocol.json: not JSON"), ("[0, 1]", "protocol.json: not a JSON object")):
-        (tmp_path / "protocol.json").write_text(bad)  # beside both files: one line naming it, no traceback
+    for bad, why in ((b"{'seed': 0", "protocol.json: invalid JSON"), (b"[0, 1]", "protocol.json: not a JSON object"),
+                     (b"[" * 100_000, "protocol.json: JSON nested too deeply"),
+                     (b'{"seed": "\xff"}', "protocol.json: not UTF-8 text")):
+        (tmp_path / "protocol.json").write_bytes(bad)  # beside both files: one line naming it, no traceback
         with pytest.raises(SystemExit, match=why):
             module.main([files[0], files[1]])
 
@@ -263,6 +265,10 @@ def test_bench_goal_reader_toy(tmp_path, monkeypatch):
                        "clash": False, "second": [True]}, "7: 'second' needs serves and clash")]:
         broken = tmp_path / "labels.jsonl"
         broken.write_text("".join(path.read_text().splitlines(keepends=True)[:6]) + json.dumps(bad) + "\n")
+        with pytest.raises(SystemExit, match="labels.jsonl:" + why):
+            module.main([str(broken)])
+    for bad, why in ((b"{'id': 'x'", "7: invalid JSON"), (b'{"id": "\xff"}', "7: not UTF-8 text")):
+        broken.write_bytes(b"".join(path.read_bytes().splitlines(keepends=True)[:6]) + bad + b"\n")
         with pytest.raises(SystemExit, match="labels.jsonl:" + why):
             module.main([str(broken)])
     import glob  # the committed labels (docs/LEARNING.md's tables) load, each reply of a model once
