@@ -28,7 +28,7 @@ sys.path[:0] = [os.path.dirname(HERE)]
 import report  # noqa: E402
 from plumbing.logs import fmt, reply_measures  # noqa: E402
 from plumbing.rule_words import GOAL_WORDS  # noqa: E402
-from plumbing.scenarios import json_line  # noqa: E402
+from plumbing.scenarios import jsonl_rows  # noqa: E402
 from simulator import CHITCHAT_GOALS  # noqa: E402
 
 FIELDS = {"id": str, "model": str, "goal_type": str, "user_line": str, "reply": str, "serves": bool, "clash": bool}
@@ -39,27 +39,19 @@ def load_labels(path: str) -> list[dict]:
     it marked one; "second": a second reader's serves and clash, optional); a bad line is one
     ValueError naming the file and line."""
     rows = []
-    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is named with its number
-        for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{n}: not UTF-8 text (byte {e.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            row = json_line(line, f"{path}:{n}")
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: not a JSON object")
-            bad = [k for k, t in FIELDS.items() if not isinstance(row.get(k), t)]
-            if bad:
-                raise ValueError(f"{path}:{n}: missing or mistyped {', '.join(bad)}")
-            if row["goal_type"] not in GOAL_WORDS or row["goal_type"] in CHITCHAT_GOALS:
-                raise ValueError(f"{path}:{n}: unknown goal type {row['goal_type']!r}")
-            second = row.get("second")
-            if second is not None and not (isinstance(second, dict) and
-                                           all(isinstance(second.get(k), bool) for k in ("serves", "clash"))):
-                raise ValueError(f"{path}:{n}: 'second' needs serves and clash, true or false")
-            rows.append(row)
+    for _, where, row in jsonl_rows(path):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: not a JSON object")
+        bad = [k for k, t in FIELDS.items() if not isinstance(row.get(k), t)]
+        if bad:
+            raise ValueError(f"{where}: missing or mistyped {', '.join(bad)}")
+        if row["goal_type"] not in GOAL_WORDS or row["goal_type"] in CHITCHAT_GOALS:
+            raise ValueError(f"{where}: unknown goal type {row['goal_type']!r}")
+        second = row.get("second")
+        if second is not None and not (isinstance(second, dict) and
+                                       all(isinstance(second.get(k), bool) for k in ("serves", "clash"))):
+            raise ValueError(f"{where}: 'second' needs serves and clash, true or false")
+        rows.append(row)
     return rows
 
 

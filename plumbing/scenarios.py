@@ -119,6 +119,20 @@ def json_line(line: str, where: str, error=ValueError):
         raise error(f"{where}: JSON nested too deeply") from None
 
 
+def jsonl_rows(path: str, error=ValueError):
+    """Each non-blank line of a JSONL file as (line number, "path:line", its JSON value); a line
+    that is not UTF-8 or not JSON is `error` naming the file and line."""
+    with open(path, "rb") as f:  # bytes: a non-UTF-8 line is reported with its line number
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:  # the first line may start with a byte-order mark (Windows editors write one)
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise error(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+            if line.strip():
+                yield lineno, where, json_line(line, where, error)
+
+
 def load_scenarios(path: str) -> list[Scenario]:
     """Read a JSONL file of scenarios (either schema). Errors name the file and line."""
     if os.path.isdir(path):
@@ -126,21 +140,12 @@ def load_scenarios(path: str) -> list[Scenario]:
     if not os.path.isfile(path):
         raise ScenarioError(f"{path}: no such scenario file")
     out, seen = [], {}
-    with open(path, "rb") as f:  # bytes: a non-UTF-8 line is reported with its line number
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:  # the first line may start with a byte-order mark (Windows editors write one)
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise ScenarioError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            row = json_line(line, where, ScenarioError)
-            sc = scenario_from_dict(row, where)
-            if sc.id in seen:
-                raise ScenarioError(f"{where}: duplicate id {sc.id!r} (first at line {seen[sc.id]})")
-            seen[sc.id] = lineno
-            out.append(sc)
+    for lineno, where, row in jsonl_rows(path, ScenarioError):
+        sc = scenario_from_dict(row, where)
+        if sc.id in seen:
+            raise ScenarioError(f"{where}: duplicate id {sc.id!r} (first at line {seen[sc.id]})")
+        seen[sc.id] = lineno
+        out.append(sc)
     if not out:
         raise ScenarioError(f"{path}: the file holds no scenarios")
     return out
