@@ -62,7 +62,7 @@ from transformers import HfArgumentParser  # noqa: E402
 
 from judge import (STRATEGIES, LLMJudge, RuleJudge, capability_summary, judge_all, plot_strategies,  # noqa: E402
                    strategy_stats)
-from logprobs import token_logprobs  # noqa: E402
+from logprobs import reply_logprob  # noqa: E402
 from plumbing import models  # noqa: E402
 from plumbing.backends import (Asker, CachedBackend, EndpointError, OpenAIBackend, SimulatorArgs, describe,  # noqa: E402
                                identity, make_backend, make_simulator)
@@ -71,6 +71,7 @@ from plumbing.checkpoints import SaveError, append_line, written_atomically  # n
 from plumbing.engines import EngineArgs, VLLMEngine, engine_problem  # noqa: E402
 from plumbing.logs import AGENT_ROLES, mean, reply_means, reply_measures, setup_logging  # noqa: E402
 from plumbing.scenarios import ScenarioError, eval_initial_emotion, json_line, load_scenarios  # noqa: E402
+from plumbing.reader import load_reader  # noqa: E402
 from reward import split_think  # noqa: E402
 from rollout import RolloutConfig, build_system_prompt, rollout, sampling_settings  # noqa: E402
 from simulator import RULES  # noqa: E402
@@ -264,30 +265,20 @@ def resume_transcripts(path: str, replay_errors: bool = True) -> dict:
     return done
 
 
-@torch.no_grad()
 def reply_fluency(model, tok, history: list[dict]) -> list[float | None]:
     """Each agent reply's mean log-probability per token (nats) under `model` (--fluency-model,
-    the base model), read as the next chat turn after the dialogue before it (the model's chat
-    template with no system prompt of ours: its default one, where it has one, as SmolLM2's):
-    how a fluent speaker expects those words. The rule user counts readable characters, not
-    grammar; a run it paid for broken sentences ("It soundsterious?", "It feels overwhelming to
-    put - right?": docs/LEARNING.md) reads as unlikely here. Words taken from the dialogue are
-    likely too, so higher is not simply better. None for an empty reply, or one nothing precedes
-    (another system's transcript that opens with the agent)."""
+    the base model), read as the next chat turn after the dialogue before it
+    (logprobs.reply_logprob): how a fluent speaker expects those words. A run paid for broken
+    sentences ("It soundsterious?", "It feels overwhelming to put - right?": docs/LEARNING.md)
+    reads as unlikely here. Words taken from the dialogue are likely too, so higher is not simply
+    better. None for an empty reply, or one nothing precedes (another system's transcript that
+    opens with the agent)."""
     out = []
     for k, m in enumerate(history):
-        if m.get("role") not in AGENT_ROLES:
-            continue
-        before = [{"role": "assistant" if h.get("role") in AGENT_ROLES else "user", "content": h["content"]}
-                  for h in history[:k]]
-        reply = tok(m["content"], add_special_tokens=False).input_ids
-        if not reply or not before:
-            out.append(None)
-            continue
-        prompt = tok(tok.apply_chat_template(before, tokenize=False, add_generation_prompt=True),
-                     add_special_tokens=False).input_ids
-        ids = torch.tensor([prompt + reply], device=next(model.parameters()).device)
-        out.append(token_logprobs(model, ids, torch.ones_like(ids))[0, len(prompt):].mean().item())
+        if m.get("role") in AGENT_ROLES:
+            before = [{"role": "assistant" if h.get("role") in AGENT_ROLES else "user", "content": h["content"]}
+                      for h in history[:k]]
+            out.append(reply_logprob(model, tok, before, m["content"]))
     return out
 
 
@@ -774,7 +765,9 @@ def main(argv=None):
         if args.model:
             scenarios = load_scenarios(args.scenarios)[:args.limit]
             sim_args = SimulatorArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SimulatorArgs)})
-            backend = make_backend(sim_args, seed=args.seed)
+            make_backend(sim_args, seed=args.seed)  # every flag checked before the reader loads
+            backend = make_backend(sim_args, seed=args.seed,
+                                   reader=load_reader(args.user_reader) if args.simulator == "rule" else None)
             if hasattr(backend, "check"):
                 backend.check()
             for m in args.model:
@@ -903,6 +896,7 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
                                 "sampling": sampling_settings(RolloutConfig(temperature=args.temperature)),
                                 "max_new_tokens": args.max_new_tokens, "eval_prompt": prompt_record,
                                 "fluency_model": args.fluency_model or None,
+                                "user_reader": args.user_reader if args.simulator == "rule" else None,
                                 "scenarios": args.scenarios if args.model else None},
                    "judge": None if judge is None else judge.name,
                    "results": summaries, "strategies": strategies, **({"reply_stats": replies} if replies else {})},

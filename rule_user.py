@@ -8,7 +8,8 @@ and, against, repeating itself, echoing its earlier replies, dismissing the user
 questions, the user's own words said back, a reply that ends no sentence, words that serve a
 goal that fails this person, GOAL_CLASHES, speaking as if it were the person), sums them with
 fixed weights into a change of emotion (the care features paid only for the share of the reply's
-content words that the agent's earlier replies have not said), and answers with a templated
+content words that the agent's earlier replies have not said, and, with a reader, only as far as
+a frozen language model finds the reply fluent: `fluent`), and answers with a templated
 line at the new emotion level, at levels 2-4 with a hint at its hidden goal. Deterministic given
 (seed, scenario, turn, reply). `simulator.Simulator` drives it exactly as it drives an LLM user: it asks
 `appraise(state, reply) -> (change, reasoning)`, `respond(state, final)` and `opening(scenario)`
@@ -160,8 +161,34 @@ class RuleBackend:
                            "garbled": -6.0, "clash": -5.0, "self_talk": -5.0}
     BASELINE_CHALLENGING = -4.0
 
-    def __init__(self, seed: int = 0):
-        self.seed = seed
+    # The reader's gate (nats a token, the reader's mean log-prob of the reply after the user's
+    # line): no care paid at or below FLUENT[0], all of it at or above FLUENT[1], a straight line
+    # between. Both from SmolLM2-135M-Instruct's own 120 replies on the training scenarios, read by
+    # itself (docs/LEARNING.md, "The reader"): FLUENT[1] is their 10th percentile, so nine in ten
+    # replies of the model training starts from earn what they earn with no reader; FLUENT[0] their
+    # 5th, so a reply less likely than all but one in twenty of them earns no care at all.
+    FLUENT = (-5.15, -4.71)
+
+    def __init__(self, seed: int = 0, reader=None):
+        """`reader(before, reply) -> nats a token` (plumbing.reader.load_reader: a frozen language
+        model, --user-reader) or None: no reader, every reply counts as fluent (`fluent` absent)."""
+        self.seed, self.reader = seed, reader
+
+    def fluent(self, last_user: str, reply: str) -> float:
+        """How readable `reply` is to a fluent speaker, in [0, 1]: the reader's mean log-prob per
+        token of the reply read as the answer to the user's last line, through the FLUENT gate.
+        SAGE's user reads the reply; `readable` only counts letters, and a policy trained against
+        it learned word salad that named a hurt (docs/LEARNING.md): a reply nobody could read
+        earns no care. A gate, not a slope: past FLUENT[1] more likelihood earns nothing, so
+        copying the user's words (docked by `parrot`) or blandness gains nothing here.
+        The reader reads the reply after the user's line alone, not the whole dialogue: the
+        line is what the reply answers, and the read is then a third of the tokens
+        (benchmarks/bench_reader.py)."""
+        nats = self.reader([{"role": "user", "content": last_user or "..."}], reply)
+        if nats is None:  # an empty reply: nothing to read
+            return 0.0
+        lo, hi = self.FLUENT
+        return min(1.0, max(0.0, (nats - lo) / (hi - lo)))
 
     def features(self, reply: str, last_user: str, goal_type: str, earlier: str = "") -> dict[str, float]:
         """Each feature of `reply` in [0, 1]; `earlier`: the agent's earlier replies in this
@@ -224,7 +251,9 @@ class RuleBackend:
         acks = {k for k in FEATURE_WORDS["acknowledge"] if k in theirs[0]}
         new_acks = acks - {k for k in acks if k in earlier.lower()}
         acknowledge = 0.0 if not acks else 1.0 if new_acks else 0.5
+        fluent = {} if self.reader is None else {"fluent": self.fluent(last_user, reply)}
         return {
+            **fluent,
             "readable": len(_READABLE.findall(reply)) / (len(reply) or 1),
             "length_ok": length_ok,
             "acknowledge": acknowledge,
@@ -269,8 +298,9 @@ class RuleBackend:
         # content words the agent's earlier replies have not said (1 - echo; the user's own words count as
         # new: `reflect` pays for them). A stock line said again is no care the second time (a SmolLM2 run
         # against a user that paid it in full said "how it feels" every turn: repeat rate 0.09 -> 0.21, docs/LEARNING.md).
-        new = 1.0 - f["echo"]
-        parts = {k: w[k] * v * (new if k in self.CARE and w[k] > 0 else 1.0) for k, v in f.items()}
+        # And care is paid only for a reply a person could read: times `fluent` (with a reader).
+        new, fluent = 1.0 - f["echo"], f.pop("fluent", 1.0)
+        parts = {k: w[k] * v * (new * fluent if k in self.CARE and w[k] > 0 else 1.0) for k, v in f.items()}
         score = baseline + sum(parts.values())
         # The reasoning names every term of the change, so its numbers add up (to rounding).
         terms = [f"baseline {baseline:+.2f}"]
@@ -280,8 +310,9 @@ class RuleBackend:
             note = ""
             if k == "open_question" and pushed:
                 note = " (avoidant: too many questions)"
-            elif k in self.CARE and new < 1:
-                note = f" ({int(new * 100)}% new)"
+            elif k in self.CARE and (new < 1 or fluent < 1):
+                notes = ([f"{int(new * 100)}% new"] if new < 1 else []) + ([f"fluent {fluent:.2f}"] if fluent < 1 else [])
+                note = f" ({', '.join(notes)})"
             terms.append(f"{k} {v:+.2f}{note}")
         why = "; ".join(terms) + f" = {score:+.2f}"
         if sc.personality_type == "negative":  # hard to please: less gain, bigger loss

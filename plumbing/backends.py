@@ -56,6 +56,9 @@ class SimulatorArgs:
     simulator_call_budget: float = field(default=300.0, metadata={
         "help": "seconds one simulator call may take with all its retries; then the dialogue ends as "
                 "simulator_error"})
+    user_reader: str = field(default="none", metadata={
+        "help": "the rule user's reader: a frozen language model whose log-prob of a reply gates what care it "
+                "pays (rule_user.RuleBackend.fluent): none | smollm2 | a path (never the policy being trained)"})
     simulator_concurrency: int = field(default=64, metadata={
         "help": "simulator calls in flight at once, per process: under accelerate launch the server sees up to "
                 "this x the process count (train.py logs the total at the start)"})
@@ -68,14 +71,18 @@ class SimulatorArgs:
                 "turn limit; no end at 100; capped at 100, no floor)"})
 
 
-def make_backend(args: SimulatorArgs, seed: int = 0, max_retries: int = 4):
-    """Flag values -> backend. Raises ValueError (one line naming the flag) on missing settings,
+def make_backend(args: SimulatorArgs, seed: int = 0, max_retries: int = 4, reader=None):
+    """Flag values -> backend (`reader`: the rule user's, plumbing.reader.load_reader(args.user_reader),
+    loaded by the caller). Raises ValueError (one line naming the flag) on missing settings,
     before anything is loaded. (The float flags' ranges: plumbing.checks.check_floats, which
     every script calls first.)"""
     if args.simulator_concurrency < 1:
         raise ValueError(f"--simulator-concurrency {args.simulator_concurrency}: must be >= 1")
+    if args.user_reader not in ("", "none") and args.simulator != "rule":
+        raise ValueError(f"--user-reader {args.user_reader}: only the rule user reads with it (--simulator rule); "
+                         f"an LLM user reads the reply itself")
     if args.simulator == "rule":
-        return RuleBackend(seed=seed)
+        return RuleBackend(seed=seed, reader=reader)
     if args.simulator == "openai":
         if not args.simulator_base_url or not args.simulator_model:
             raise ValueError("--simulator openai needs --simulator-base-url and --simulator-model")
@@ -261,8 +268,8 @@ def identity(backend) -> dict:
     if isinstance(backend, HFBackend):
         return {"kind": "hf", "model": backend.path, "temperature": backend.temperature,
                 "max_new_tokens": backend.max_new_tokens}
-    if isinstance(backend, RuleBackend):
-        return {"kind": "rule", "seed": backend.seed}
+    if isinstance(backend, RuleBackend):  # the reader only when there is one: older records stay equal
+        return {"kind": "rule", "seed": backend.seed, **({"reader": backend.reader.name} if backend.reader else {})}
     return {"kind": type(backend).__name__}
 
 
@@ -275,7 +282,8 @@ def describe(backend) -> str:
     if isinstance(backend, HFBackend):
         return f"local transformers model {backend.path}"
     if isinstance(backend, RuleBackend):
-        return "offline rule user (rule_user.RuleBackend)"
+        return "offline rule user (rule_user.RuleBackend" + (f", reading with {backend.reader.name})" if backend.reader
+                                                             else ")")
     return type(backend).__name__
 
 

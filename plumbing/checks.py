@@ -24,6 +24,7 @@ from plumbing.checkpoints import checkpoint_state, find_resume
 from plumbing.engines import engine_problem
 from plumbing.lora import lora_problem
 from plumbing.models import smollm2_missing
+from plumbing.reader import load_reader
 from plumbing.scenarios import ScenarioError, load_scenarios
 
 log = logging.getLogger("train")
@@ -239,7 +240,8 @@ def checked_backend(cfg, seed: int = 0):
     """The --simulator* flags -> a backend; a missing setting, or a remote endpoint that is
     unreachable, is an InputError (one line) before anything heavy."""
     try:
-        backend = make_backend(cfg, seed=seed)
+        make_backend(cfg, seed=seed)  # every flag checked before the reader loads
+        backend = make_backend(cfg, seed=seed, reader=load_reader(cfg.user_reader) if cfg.simulator == "rule" else None)
     except ValueError as e:
         raise InputError(str(e)) from None
     if hasattr(backend, "check"):

