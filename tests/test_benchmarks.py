@@ -275,3 +275,18 @@ def test_bench_goal_reader_toy(tmp_path, monkeypatch):
     for labels in glob.glob(os.path.join(ROOT, "data", "goal_reader_labels*.jsonl")):
         rows = module.load_labels(labels)
         assert rows and len({r["id"] for r in rows}) == len(rows), labels
+
+
+def test_bench_reader_toy(tmp_path):
+    """The rule user's reader at toy size: 3 replies, both precisions, the share of a step read
+    from a metrics file; bfloat16 stays within a tenth of a nat a token of float32."""
+    from plumbing.models import smollm2_missing
+    if smollm2_missing():
+        pytest.skip(smollm2_missing())
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": k, "step_time": t}) + "\n" for k, t in enumerate((20.0, 30.0, 40.0))))
+    rc, out, log, res = bench(tmp_path, "bench_reader.py", "--replies", "3", "--metrics", str(metrics))
+    assert rc == 0, log[-3000:]
+    r = res["results"]["smollm2"]
+    assert r["replies"] == 3 and r["median_step_s"] == 30.0 and r["share_of_step"] == pytest.approx(r["seconds"] / 30, abs=1e-3)
+    assert 0 <= r["max_abs_diff_fp32"] < 0.1 and "of a step" in out

@@ -1,0 +1,67 @@
+"""What the rule user's reader costs a training step, and how far its bfloat16 read is from float32.
+
+    python benchmarks/bench_reader.py --metrics runs/learning-s0/metrics.jsonl
+
+The smollm2-cpu preset's user reads every appraised reply with a frozen SmolLM2 (--user-reader
+smollm2, plumbing.reader.load_reader): a step appraises batch_size x group_size x max_turns
+replies (4 x 4 x 3 = 48). This script reads that many committed replies
+(data/goal_reader_labels_run5.jsonl: the user's line, then the reply) as the rule user does,
+with the reader in bfloat16 (what the preset runs) and again in float32 (evaluate.py's
+--fluency-model precision), and prints the seconds a step's reads take, their share of the
+median step time of a finished run (--metrics: its metrics.jsonl), and the largest difference
+between the two precisions (nats a token). --json PATH writes the figures.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE)]
+
+import report  # noqa: E402
+from logprobs import reply_logprob  # noqa: E402
+from plumbing import models  # noqa: E402
+from plumbing.reader import load_reader  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--replies", type=int, default=48, help="replies read (a preset step appraises 48)")
+    ap.add_argument("--metrics", default="", help="a finished run's metrics.jsonl: its median step time")
+    ap.add_argument("--json", default="", help="write the figures here")
+    args = ap.parse_args(argv)
+    if args.replies < 1:
+        ap.error("--replies: must be >= 1")
+    if models.smollm2_missing():
+        return report.finish(args.json, {}, {"reader": models.smollm2_missing()})
+    rows = [json.loads(line) for line in open(os.path.join(os.path.dirname(HERE), "data",
+                                                           "goal_reader_labels_run5.jsonl"))][:args.replies]
+    reader = load_reader("smollm2")
+    reader([{"role": "user", "content": "Hi."}], "Hello.")  # warm up
+    t = time.perf_counter()
+    bf16 = [reader([{"role": "user", "content": r["user_line"]}], r["reply"]) for r in rows]
+    seconds = time.perf_counter() - t
+    model, tok = models.load_policy("smollm2", 0, torch.float32)
+    with torch.inference_mode():
+        fp32 = [reply_logprob(model.eval(), tok, [{"role": "user", "content": r["user_line"]}], r["reply"])
+                for r in rows]
+    res = {"replies": len(rows), "seconds": round(seconds, 3), "seconds_per_read": round(seconds / len(rows), 4),
+           "max_abs_diff_fp32": round(max(abs(a - b) for a, b in zip(bf16, fp32)), 4)}
+    print(f"{len(rows)} replies read in {seconds:.2f} s ({seconds / len(rows) * 1000:.0f} ms a read); bfloat16 "
+          f"against float32: at most {res['max_abs_diff_fp32']:.3f} nats a token apart")
+    if args.metrics:
+        steps = [r["step_time"] for r in map(json.loads, open(args.metrics)) if r.get("step_time")]
+        res["median_step_s"] = round(statistics.median(steps), 2)
+        res["share_of_step"] = round(seconds / res["median_step_s"], 3)
+        print(f"a step's reads: {seconds:.2f} s of a median step of {res['median_step_s']:.1f} s "
+              f"({args.metrics}): {res['share_of_step']:.3f} of a step")
+    return report.finish(args.json, {"smollm2": res}, {})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
