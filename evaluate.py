@@ -62,7 +62,6 @@ from transformers import HfArgumentParser  # noqa: E402
 
 from judge import (STRATEGIES, LLMJudge, RuleJudge, capability_summary, judge_all, plot_strategies,  # noqa: E402
                    strategy_stats)
-from logprobs import reply_logprob  # noqa: E402
 from plumbing import models  # noqa: E402
 from plumbing.backends import (Asker, CachedBackend, EndpointError, OpenAIBackend, SimulatorArgs, describe,  # noqa: E402
                                identity, make_backend, make_simulator)
@@ -71,7 +70,7 @@ from plumbing.checkpoints import SaveError, append_line, written_atomically  # n
 from plumbing.engines import EngineArgs, VLLMEngine, engine_problem  # noqa: E402
 from plumbing.logs import AGENT_ROLES, mean, reply_means, reply_measures, setup_logging  # noqa: E402
 from plumbing.scenarios import ScenarioError, eval_initial_emotion, json_line, load_scenarios  # noqa: E402
-from plumbing.reader import load_reader  # noqa: E402
+from plumbing.reader import load_reader, reply_logprob  # noqa: E402
 from reward import split_think  # noqa: E402
 from rollout import RolloutConfig, build_system_prompt, rollout, sampling_settings  # noqa: E402
 from simulator import RULES  # noqa: E402
@@ -268,7 +267,7 @@ def resume_transcripts(path: str, replay_errors: bool = True) -> dict:
 def reply_fluency(model, tok, history: list[dict]) -> list[float | None]:
     """Each agent reply's mean log-probability per token (nats) under `model` (--fluency-model,
     the base model), read as the next chat turn after the dialogue before it
-    (logprobs.reply_logprob): how a fluent speaker expects those words. A run paid for broken
+    (plumbing.reader.reply_logprob): how a fluent speaker expects those words. A run paid for broken
     sentences ("It soundsterious?", "It feels overwhelming to put - right?": docs/LEARNING.md)
     reads as unlikely here. Words taken from the dialogue are likely too, so higher is not simply
     better. None for an empty reply, or one nothing precedes (another system's transcript that

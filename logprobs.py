@@ -6,8 +6,6 @@ it: pi_old; under a reference model when a KL term is on). This file computes th
 
   token_logprobs   log-probs (and entropies) of given token ids, aligned to input positions
   add_logprobs     the old-policy (and reference) log-probs of a rollout batch, once per step
-  reply_logprob    a reply's mean log-prob per token as the next chat turn (the rule user's
-                   reader, rule_user.RuleBackend; evaluate.py's fluency)
 
 Position convention, shared by every [N, T] tensor of the project: position t holds token x_t,
 logprobs[t] = log pi(x_t | x_<t), 0 at t = 0, at padding and at positions not asked for.
@@ -263,20 +261,3 @@ def add_logprobs(batch, policy, ref_model=None, micro_batch: int = 8, old: bool 
                                 positions=lm.to(rdev)).cpu()
     return dataclasses.replace(batch, old_logprobs=old_lp, ref_logprobs=ref_lp)
 
-
-@torch.no_grad()
-def reply_logprob(model, tok, before: list[dict], reply: str) -> float | None:
-    """The mean log-probability per token (nats) of `reply` read as the next chat turn after the
-    messages `before` ({"role": "user" | "assistant", "content"}), in the model's chat template
-    with no system line of ours (its own default one, where it has one, as SmolLM2's): how a
-    fluent speaker expects those words. Only the reply's positions go through the LM head. None
-    for an empty reply, or one that nothing precedes."""
-    ids = tok(reply, add_special_tokens=False).input_ids
-    if not ids or not before:
-        return None
-    prompt = tok(tok.apply_chat_template(before, tokenize=False, add_generation_prompt=True),
-                 add_special_tokens=False).input_ids
-    x = torch.tensor([prompt + ids], device=next(model.parameters()).device)
-    reply_positions = torch.zeros_like(x)
-    reply_positions[0, len(prompt):] = 1
-    return token_logprobs(model, x, torch.ones_like(x), positions=reply_positions)[0, len(prompt):].mean().item()

@@ -2,26 +2,20 @@
 
 SAGE's user (simulator.py) is an LLM that reads the agent's reply and appraises it. Offline, with
 no LLM, `RuleBackend` plays the same part by rules a reader can check: it grades the reply on
-interpretable features, each in [0, 1] (readable text, a fitting length, acknowledging the
-feeling, reflecting the user's own words, an open question, words that serve the hidden goal;
-and, against, repeating itself, echoing its earlier replies, dismissing the user, a stack of
-questions, the user's own words said back, a reply that ends no sentence, words that serve a
-goal that fails this person, GOAL_CLASHES, speaking as if it were the person), sums them with
-fixed weights into a change of emotion (the care features paid only for the share of the reply's
-content words that the agent's earlier replies have not said, and, with a reader, only as far as
-a frozen language model finds the reply fluent: `fluent`), and answers with a templated
-line at the new emotion level, at levels 2-4 with a hint at its hidden goal. Deterministic given
-(seed, scenario, turn, reply). `simulator.Simulator` drives it exactly as it drives an LLM user: it asks
-`appraise(state, reply) -> (change, reasoning)`, `respond(state, final)` and `opening(scenario)`
-instead of sending prompts.
+interpretable features in [0, 1] (for: readable text, a fitting length, acknowledging the feeling,
+reflecting the user's words, an open question, serving the hidden goal; against: repeating or
+echoing itself, dismissing, stacked questions, the user's words said back, no finished sentence,
+serving a goal that fails this person, speaking as the person), sums them with fixed weights into
+a change of emotion (care paid only for what is new and, with a reader, for what a frozen language
+model finds fluent), and answers with a templated line at the new emotion level, at levels 2-4
+with a hint at its hidden goal. Deterministic given (seed, scenario, turn, reply).
+`simulator.Simulator` drives it as it drives an LLM user, through `appraise(state, reply) ->
+(change, reasoning)`, `respond(state, final)` and `opening(scenario)` instead of prompts.
 
-The rules are this project's own (neither SAGE nor RLVER has an offline user). Their weights
-were set, and re-set, by what policies trained against them learned (docs/LEARNING.md, "The
-proof that it learns"): a rule user is a reward that can be gamed, and every feature here closes
-a way a run found to earn emotion without the care it stands for. The challenging user
-(simulator.USERS) has its own weights. The same words are the tiny model's vocabulary
-(plumbing.models.make_tiny_word_tokenizer), and judge.RuleJudge counts in the same units
-(`word_list`, `content_words`).
+The rules are this project's own (neither SAGE nor RLVER has an offline user): a rule user is a
+reward that can be gamed, and each feature closes a way a run found to earn emotion without the
+care it stands for (docs/LEARNING.md). The challenging user (simulator.USERS) has its own weights.
+judge.RuleJudge counts in the same units (`word_list`, `content_words`).
 """
 from __future__ import annotations
 
@@ -161,70 +155,45 @@ class RuleBackend:
                            "garbled": -6.0, "clash": -5.0, "self_talk": -5.0}
     BASELINE_CHALLENGING = -4.0
 
-    # The reader's gate (nats a token, the reader's mean log-prob of the reply after the user's
-    # line): no care paid at or below FLUENT[0], all of it at or above FLUENT[1], a straight line
-    # between. Both from SmolLM2-135M-Instruct's own 120 replies on the training scenarios, read by
-    # itself (docs/LEARNING.md, "The reader"): FLUENT[1] is their 10th percentile, so nine in ten
-    # replies of the model training starts from earn what they earn with no reader; FLUENT[0] their
-    # 5th, so a reply less likely than all but one in twenty of them earns no care at all.
+    # The reader's gate (nats a token): no care at or below FLUENT[0], all at or above FLUENT[1], linear
+    # between: the 5th and 10th percentiles of SmolLM2-135M-Instruct's 120 replies on the training
+    # scenarios read by itself (docs/LEARNING.md, "The user"): nine in ten earn what they would unread.
     FLUENT = (-5.15, -4.71)
 
     def __init__(self, seed: int = 0, reader=None):
-        """`reader(before, reply) -> nats a token` (plumbing.reader.load_reader: a frozen language
-        model, --user-reader) or None: no reader, every reply counts as fluent (`fluent` absent)."""
-        self.seed, self.reader = seed, reader
+        self.seed, self.reader = seed, reader  # reader(before, reply) -> nats a token (plumbing/reader.py)
 
     def fluent(self, last_user: str, reply: str) -> float:
-        """How readable `reply` is to a fluent speaker, in [0, 1]: the reader's mean log-prob per
-        token of the reply read as the answer to the user's last line, through the FLUENT gate.
-        SAGE's user reads the reply; `readable` only counts letters, and a policy trained against
-        it learned word salad that named a hurt (docs/LEARNING.md): a reply nobody could read
-        earns no care. A gate, not a slope: past FLUENT[1] more likelihood earns nothing, so
-        copying the user's words (docked by `parrot`) or blandness gains nothing here.
-        The reader reads the reply after the user's line alone, not the whole dialogue: the
-        line is what the reply answers, and the read is then a third of the tokens
-        (benchmarks/bench_reader.py)."""
+        """In [0, 1]: the reader's mean log-prob per token of the reply, read as the answer to the
+        user's last line (the line it answers, not the whole dialogue: fewer tokens a read), through
+        the FLUENT gate. `readable` counts letters, and a run against it learned word salad naming a
+        hurt (docs/LEARNING.md). A gate, not a slope: likelihood past FLUENT[1] earns nothing, so
+        blandness or the user's words said back (`parrot`) gain nothing here."""
         nats = self.reader([{"role": "user", "content": last_user or "..."}], reply)
-        if nats is None:  # an empty reply: nothing to read
-            return 0.0
         lo, hi = self.FLUENT
-        return min(1.0, max(0.0, (nats - lo) / (hi - lo)))
+        return 0.0 if nats is None else min(1.0, max(0.0, (nats - lo) / (hi - lo)))  # None: an empty reply
 
     def features(self, reply: str, last_user: str, goal_type: str, earlier: str = "") -> dict[str, float]:
-        """Each feature of `reply` in [0, 1]; `earlier`: the agent's earlier replies in this
-        dialogue. Two ways of saying the same again: `repetition` is the share of this reply's
-        longer words (5+ letters) repeated *within* it; `echo` the share of its content words
-        (content_words, the unit of evaluate.py's repeat rate) that the agent's earlier replies
-        already said (a stock line said again, which the LLM user's prompt also counts as
-        repetitive: a SmolLM2 run trained without it learned to open every turn with one
-        validation). `acknowledge` is 1 when the reply names the feeling in words it has not
-        used earlier in the dialogue, 0.5 when only in words it used before (a run learned to
-        say "feel" in 30 of its 60 held-out replies, which paid in full every turn).
-
-        Four ways of earning a feature without the care it stands for, each learned by a SmolLM2
-        run against a rule user that did not dock it (docs/LEARNING.md):
-        `stacked` grades the questions after the first (2 questions: 0.5, 3 or more: 1): one
-        open question invites the user to talk, a stack of them is an interrogation, whatever
-        the user's personality (an avoidant user is put off even by two, in appraise()).
-        `parrot` grades the longest run of the user's own words said back verbatim (up to 3
-        words, "that house hurts", refer to what was said: 0; 4 words: 1/3, 6 or more: 1; a
-        Chinese character counts half a word): `reflect` pays reusing the user's words in a
-        sentence of one's own, not copying "I'm still upset, ..." back at the user.
-        `unfinished` is 1 for a reply that does not end a sentence: cut off by the token cap
-        mid-sentence, it reads as broken; care is graded on its finished sentences (finished_part: a
-        run-on tail's feeling words paid a run more than -2), `echo` on the more echoing of the two.
-        `self_talk` grades speaking as if it were the person: the first person outside an agent's
-        frames (SELF_TALK, AGENT_FRAMES: "I'm sorry I'm not getting it. How can I ...?"; once 0.5,
-        twice 1; not in chit-chat); a feeling said of oneself ("I feel hurt") is none of theirs.
-
-        What the person needs pays most (issue 50): `goal` is 1 for a cue of the user's goal type (weight 4)
-        times their share of all the goal cues of its family (goal_words): a reply that strings
-        advice, praise, validation and "tell me more" together earns a fraction of it for any
-        goal, not all of it; a cue of its own the user's last line said (a hint that once said
-        "another side") is its word said back, not the goal served. `clash` grades the cues of a goal type that fails this user
-        (GOAL_CLASHES: advice to someone who came to vent, ...; one cue 0.5, two 1). And a reply
-        with no content word ("Go on. How so?") is said again in its words: `echo` then counts
-        all its words, which a second "Go on. How so?" has all said before."""
+        """Each feature of `reply` in [0, 1]; `earlier`: the agent's earlier replies in this dialogue.
+        Saying the same again: `repetition` is the share of the reply's longer words (5+ letters)
+        repeated within it; `echo` the share of its content words (content_words, the unit of
+        evaluate.py's repeat rate; all its words when it has none, so a second "Go on. How so?" is
+        all echo) that earlier replies already said, as the LLM user's prompt counts a stock line
+        said again. `acknowledge` is 1 for naming the feeling in words not used before, 0.5 in old ones.
+        Ways of earning a feature without the care it stands for, each one a SmolLM2 run learned
+        against a user that did not dock it (docs/LEARNING.md): `stacked` grades the questions after
+        the first (2: 0.5, 3+: 1), an interrogation, not an invitation (an avoidant user minds even
+        two: appraise). `parrot` grades the longest run of the user's words said back verbatim (up
+        to 3 words: 0; 4: 1/3; 6+: 1; a Chinese character counts half): `reflect` pays the user's
+        words in a sentence of one's own. `unfinished` is 1 for a reply that ends no sentence (cut
+        by the token cap); care is graded on its finished sentences (finished_part), `echo` on the
+        more echoing of the two. `self_talk` grades speaking as the person: the first person outside
+        an agent's frames (SELF_TALK, AGENT_FRAMES; once 0.5, twice 1; not in chit-chat), a feeling
+        said of oneself ("I feel hurt") aside. What the person needs pays most: `goal` is 1 for a cue
+        of the user's goal type times their share of all the goal cues of its family (goal_words:
+        a reply that strings every goal together earns a fraction of any), a cue the user's last
+        line said being its word said back; `clash` grades the cues of a goal type that fails this
+        user (GOAL_CLASHES; one cue 0.5, two 1). With a reader, `fluent` (below) gates the care."""
         low = reply.lower().replace("’", "'")  # a curly apostrophe is one too ("I’m sorry")
         words = word_list(reply)
         user_words = content_words(last_user)
@@ -294,11 +263,8 @@ class RuleBackend:
         pushed = sc.personality_type == "avoidant" and questions(reply) > 1
         if pushed:
             w["open_question"] = -1.5  # pushed too hard: withdraws
-        # Care is paid for what is new: the care features earn their weight times the share of the reply's
-        # content words the agent's earlier replies have not said (1 - echo; the user's own words count as
-        # new: `reflect` pays for them). A stock line said again is no care the second time (a SmolLM2 run
-        # against a user that paid it in full said "how it feels" every turn: repeat rate 0.09 -> 0.21, docs/LEARNING.md).
-        # And care is paid only for a reply a person could read: times `fluent` (with a reader).
+        # Care is paid for what is new, times 1 - echo (a stock line said again is no care the second
+        # time; the user's own words count as new: `reflect` pays them), and for what reads: `fluent`.
         new, fluent = 1.0 - f["echo"], f.pop("fluent", 1.0)
         parts = {k: w[k] * v * (new * fluent if k in self.CARE and w[k] > 0 else 1.0) for k, v in f.items()}
         score = baseline + sum(parts.values())

@@ -24,9 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE)]
 
 import report  # noqa: E402
-from logprobs import reply_logprob  # noqa: E402
 from plumbing import models  # noqa: E402
-from plumbing.reader import load_reader  # noqa: E402
+from plumbing.reader import load_reader, reply_logprob  # noqa: E402
 
 
 def main(argv=None) -> int:

