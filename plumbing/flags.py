@@ -4,12 +4,16 @@
 (underscores -> dashes, both spellings accepted), parsed by transformers' HfArgumentParser, with
 the precedence flag > preset > the algorithm's default > the dataclass default, and a --help that
 states each flag's real default and what each preset sets. `recipe` is the part of a Config that
-shapes training, logged at the start of a run.
+shapes training, logged at the start of a run. `--print-config` (like --help, it ends the
+command) checks every input as a run would, prints the resolved configuration as JSON, each value
+with where it came from (`sources`), and exits 0 without loading a model.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import sys
 
 from transformers import HfArgumentParser
 
@@ -29,6 +33,8 @@ def parse_config(config_cls, presets: dict, algo_defaults: dict, preset_ppo: dic
         elif action.dest in config_cls.__dataclass_fields__:
             action.help += default_note(action, presets, algo_defaults, preset_ppo)
             action.option_strings.sort(key=lambda flag: "_" in flag)  # --actor-lr first, then --actor_lr
+    parser.add_argument("--print-config", action="store_true", help="check every input as a run would, print the "
+                        "resolved configuration (JSON: each value and where it came from) and exit 0, loading no model")
     given = parser.parse_args(argv)  # first pass: which algorithm and preset
     preset = {**algo_defaults[given.algo], **presets[given.preset]}
     if given.algo == "ppo":
@@ -38,7 +44,53 @@ def parse_config(config_cls, presets: dict, algo_defaults: dict, preset_ppo: dic
         # The official code trains think mode turn by turn: each agent turn its own sample with
         # the dialogue's reward, earlier thoughts dropped from the history (docs/PAPER_SETUP.md, "Think mode").
         parser.set_defaults(per_turn_samples=parser.parse_args(argv).think)
-    return config_cls(**vars(parser.parse_args(argv)))
+    values = vars(parser.parse_args(argv))
+    show = values.pop("print_config")
+    cfg = config_cls(**values)
+    if show:
+        print_config(cfg, sources(parser, argv, presets, algo_defaults, preset_ppo))
+    return cfg
+
+
+def sources(parser, argv, presets: dict, algo_defaults: dict, preset_ppo: dict) -> dict:
+    """Where each value of a parsed command line came from: flag | preset | preset with ppo |
+    algorithm | default (a flag given beats everything; the paper preset's per-turn rows follow --think)."""
+    argv = sys.argv[1:] if argv is None else argv
+    given = {parser._option_string_actions[a.split("=")[0]].dest for a in argv
+             if a.startswith("--") and a.split("=")[0] in parser._option_string_actions}
+    cfg = parser.parse_args(argv)
+    out = {}
+    for f in vars(cfg):
+        if f in given:
+            out[f] = "flag"
+        elif cfg.preset == "paper" and f == "per_turn_samples":
+            out[f] = "preset paper (follows --think)"
+        elif cfg.algo == "ppo" and f in preset_ppo.get(cfg.preset, {}):
+            out[f] = f"preset {cfg.preset} with ppo"
+        elif f in presets[cfg.preset]:
+            out[f] = f"preset {cfg.preset}"
+        elif f in algo_defaults[cfg.algo]:
+            out[f] = f"algorithm {cfg.algo}"
+        else:
+            out[f] = "default"
+    return out
+
+
+def print_config(cfg, where: dict):
+    """--print-config: every input checked as a run checks it (plumbing.checks.validate and the
+    simulated user's flags; a bad one is the run's one-line error, exit 2), then the configuration
+    as JSON, {flag: {"value", "from"}}, and exit 0. No model, reader or server is loaded."""
+    from plumbing.backends import make_backend
+    from plumbing.checks import InputError, validate
+    try:
+        validate(cfg)
+        make_backend(cfg, seed=cfg.seed)  # the simulator's flags, without loading the rule user's reader
+    except (InputError, ValueError) as e:
+        sys.stderr.write(f"train.py: error: {e}\n")
+        raise SystemExit(2) from None
+    print(json.dumps({k: {"value": v, "from": where.get(k, "default")} for k, v in dataclasses.asdict(cfg).items()},
+                     indent=1))
+    raise SystemExit(0)
 
 
 def default_note(action, presets: dict, algo_defaults: dict, preset_ppo: dict) -> str:

@@ -648,3 +648,43 @@ def test_a_step_that_scores_again_resets_the_count(tmp_path):
     assert rc == 0 and (tmp_path / "final").exists()
     skipped = [r["update_skipped"] for r in read_metrics(tmp_path)]
     assert len(skipped) == 4 and 1 in skipped and "1, 1" not in str(skipped), skipped
+
+
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-cpu", "paper", "none"])
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_print_config_says_what_each_value_is_and_where_it_came_from(preset, algo, capsys, tmp_path):
+    """`--print-config` resolves a command as a run would (flag > preset > algorithm > default),
+    checks every input, prints JSON {flag: {value, from}} and exits 0 with no model loaded; a bad
+    input is the run's one-line error, exit 2."""
+    import json
+    from plumbing.models import smollm2_missing
+    from train import ALGO_DEFAULTS, PRESET_PPO, PRESETS, main
+    if preset == "smollm2-cpu" and smollm2_missing():
+        pytest.skip(smollm2_missing())
+    # the paper's model is not here offline: a tiny one in its place (a flag), and a server for its user
+    extra = ["--model", "tiny", "--simulator-base-url", "http://127.0.0.1:9/v1", "--simulator-model", "m"] \
+        if preset == "paper" else []
+    argv = ["--preset", preset, "--algo", algo, "--seed", "7", "--output-dir", str(tmp_path), *extra, "--print-config"]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["seed"] == {"value": 7, "from": "flag"} and shown["algo"] == {"value": algo, "from": "flag"}
+    flagged = {a[2:].replace("-", "_") for a in extra if a.startswith("--")}
+    for name, value in PRESETS[preset].items():
+        if name in flagged:
+            continue
+        if algo == "ppo" and name in PRESET_PPO.get(preset, {}):
+            continue
+        assert shown[name] == {"value": value, "from": f"preset {preset}"}, name
+    for name, value in PRESET_PPO.get(preset, {}).items() if algo == "ppo" else ():
+        assert shown[name] == {"value": value, "from": f"preset {preset} with ppo"}, name
+    if "group_size" not in PRESETS[preset]:
+        assert shown["group_size"] == {"value": ALGO_DEFAULTS[algo]["group_size"], "from": f"algorithm {algo}"}
+    assert shown["clip_eps"]["from"] == "default" and not (tmp_path / "metrics.jsonl").exists()
+    if preset == "paper":
+        assert shown["model"] == {"value": "tiny", "from": "flag"}
+        assert shown["per_turn_samples"] == {"value": True, "from": "preset paper (follows --think)"}
+    with pytest.raises(SystemExit) as stop:
+        main(argv[:-1] + ["--steps", "0", "--print-config"])
+    assert stop.value.code == 2 and "train.py: error: --steps must be >= 1" in capsys.readouterr().err
