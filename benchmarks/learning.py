@@ -53,15 +53,28 @@ EVAL_FLAGS = ["--eval-prompt", "train", "--judge", "none", "--scenarios", "data/
 
 
 # ---- what the documented run depends on ----------------------------------------------------
-def fingerprint() -> dict:
+def preset_config(argv=("--algo", "grpo", "--preset", PRESET)) -> dict:
+    """The configuration a train.py command resolves to (train.py --print-config, a process of
+    its own: nothing imports the launcher), less what does not shape training: where it writes,
+    its bookkeeping, the seed (each run's own) and the engine (vLLM where installed: the same
+    sampling either way, docs/VLLM.md)."""
+    out = subprocess.run([sys.executable, "train.py", *argv, "--print-config"], cwd=ROOT, capture_output=True,
+                         text=True)
+    if out.returncode:
+        raise SystemExit(f"learning.py: error: train.py --print-config: {out.stderr.strip()[-300:]}")
+    skip = {"output_dir", "resume", "save_every", "keep_last", "report_to", "simulator_api_key_env", "scenarios",
+            "seed", "engine"}
+    return {k: v["value"] for k, v in json.loads(out.stdout).items() if k not in skip}
+
+
+def fingerprint(config: dict | None = None) -> dict:
     """What a documented learning run depends on, exact to the rules and independent of the
     machine's arithmetic: the rule user's expected change for each of a fixed set of replies
     (data/goal_reader_labels_run5.jsonl, 120 replies of two models) under each personality, read
     by a stub reader that spreads the replies across the FLUENT gate, rounded to 1e-3, and its
-    answers at each emotion level; the reader's name and the preset's values; the scenario files."""
-    from train import ALGO_DEFAULTS, PRESETS
-    preset = {**ALGO_DEFAULTS["grpo"], **PRESETS[PRESET]}
-    preset.pop("engine")  # vLLM where it is installed: the same sampling either way (docs/VLLM.md)
+    answers at each emotion level; the reader's name and the preset's configuration (`config`,
+    default preset_config()); the scenario files."""
+    preset = preset_config() if config is None else config
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "data", "goal_reader_labels_run5.jsonl"))]
 
     def stub_reader(before, reply):  # -6 .. -4 nats, by the reply's hash: across the gate
@@ -82,7 +95,7 @@ def fingerprint() -> dict:
     files = {name: hashlib.sha256(open(os.path.join(ROOT, "data", name), "rb").read()).hexdigest()[:16]
              for name in ("scenarios_train.jsonl", "scenarios_test.jsonl")}
     appraisals = hashlib.sha256(json.dumps(seen, ensure_ascii=False).encode()).hexdigest()[:16]
-    return {"rule_user": appraisals, "reader": preset.get("user_reader", "none"), "preset": preset,
+    return {"rule_user": appraisals, "reader": preset["user_reader"], "preset": preset,
             "scenarios": files}
 
 
