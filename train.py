@@ -48,7 +48,7 @@ from plumbing.distributed import (claim_output_dir, end_training, first_on_node,
 from plumbing.engines import EngineArgs, VLLMEngine
 from plumbing.flags import parse_config, recipe
 from plumbing.lora import LoraArgs, ReferencePolicy
-from plumbing.logs import (UnscoredRun, fmt, plot_curve, setup_logging, unscored_problem, warn_empty_step,
+from plumbing.logs import (UnscoredRun, finish_run, fmt, setup_logging, unscored_problem, warn_empty_step,
                            write_logs)
 from plumbing.models import load_models, make_optimizer, warmup_length
 from ppo import PPOConfig, ppo_update
@@ -290,9 +290,8 @@ def train(cfg: Config) -> dict:
             save_checkpoint(accelerator, cfg, step + 1)
 
     save_final(accelerator, policy, tok, os.path.join(cfg.output_dir, "final"), dtype)
-    if accelerator.is_main_process:
-        plot_curve(os.path.join(cfg.output_dir, "metrics.jsonl"), os.path.join(cfg.output_dir, "reward_curve.png"),
-                   f"RLVER {cfg.algo.upper()} ({cfg.preset} preset)")
+    if accelerator.is_main_process:  # the curves, and what was learned, where it went and what to try next
+        finish_run(cfg)
     end_training(accelerator, engine)  # the engine closed; not accelerator.end_training(): see there
     lock.close()
     return last

@@ -11,6 +11,8 @@ import json
 import logging
 import math
 import os
+import sys
+import time
 
 import matplotlib
 
@@ -202,6 +204,34 @@ FEATURE_CURVES = [("rule_acknowledge", "acknowledge"), ("rule_reflect", "reflect
 
 def _moving_average(values, k):
     return [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
+
+
+_STARTED = time.time()  # about when the script started: this module is imported with train.py's first lines
+
+
+def finish_run(cfg, out=None):
+    """The end of a train.py run, on the main process: the reward curve, then a summary of what it
+    learned and where it went (printed to `out`, default stdout): the step reward's first and last
+    quarter, the time since the start, the final model, the curve and the logs, and the next
+    command to try (evaluate the model against the one it started from)."""
+    metrics, png = os.path.join(cfg.output_dir, "metrics.jsonl"), os.path.join(cfg.output_dir, "reward_curve.png")
+    plot_curve(metrics, png, f"RLVER {cfg.algo.upper()} ({cfg.preset} preset)")
+    with open(metrics, encoding="utf-8") as f:
+        rewards = [r["reward"] for r in map(json.loads, filter(str.strip, f)) if r.get("reward") is not None]
+    q = max(1, len(rewards) // 4)
+    spent = int(time.time() - _STARTED)
+    final = os.path.join(cfg.output_dir, "final")
+    lines = [f"done: {cfg.algo} on the {cfg.preset} preset, {len(rewards)} scored steps in "
+             f"{spent // 3600}:{spent // 60 % 60:02d}:{spent % 60:02d}" + (
+                 f"; mean step reward {mean(rewards[:q]):.3f} (first quarter) -> {mean(rewards[-q:]):.3f} (last)"
+                 if rewards else ""),
+             f"  final model: {final}",
+             f"  curves:      {png}" + ("" if os.path.isfile(png) else " (not drawn: no scored step)"),
+             f"  logs:        {metrics}, {os.path.join(cfg.output_dir, 'samples.jsonl')}",
+             f"  next:        python evaluate.py --model {cfg.model} --model {final} --eval-prompt train --judge none "
+             f"--scenarios data/scenarios_test.jsonl --max-turns {cfg.max_turns} --seed {cfg.seed} "
+             f"--output-dir eval/{os.path.basename(os.path.normpath(cfg.output_dir))}"]
+    print("\n".join(lines), file=out or sys.stdout, flush=True)
 
 
 def plot_curve(metrics_path, png_path, title):

@@ -70,7 +70,13 @@ def test_tiny_model_plays_the_protocol(tmp_path, capsys):
     for r in recs:
         assert r["emotion_trace"][0] == 40 and 1 <= r["turns"] <= 10 and len(r["emotion_trace"]) == r["turns"] + 1
         assert r["history"][0]["role"] == "user"
-    assert "tiny" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    summary = json.load(open(out / "summary.json"))
+    # the run ends with what it measured and where everything went
+    assert text.rstrip().endswith(
+        f"done: 1 rows (Sentient: tiny {summary['results']['tiny']['sentient_score']:.1f})\n"
+        f"  figures:     {out / 'summary.json'}\n  dialogues:   {out / 'tiny' / 'transcripts.jsonl'}\n"
+        f"  plot:        {out / 'emotion_trajectories.png'}"), text[-600:]
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys):

@@ -688,3 +688,23 @@ def test_print_config_says_what_each_value_is_and_where_it_came_from(preset, alg
     with pytest.raises(SystemExit) as stop:
         main(argv[:-1] + ["--steps", "0", "--print-config"])
     assert stop.value.code == 2 and "train.py: error: --steps must be >= 1" in capsys.readouterr().err
+
+
+def test_a_run_ends_with_what_it_learned_where_it_went_and_what_to_try_next(tmp_path, capsys):
+    """The main job ends with a summary on the main process: the step reward's first and last
+    quarter (as metrics.jsonl has them), the time, the final model, the curve, the logs, and the
+    evaluate.py command that compares the final model with the one it started from."""
+    import json
+    from train import main
+    out = tmp_path / "run"
+    assert main(["--preset", "tiny", "--steps", "4", "--batch-size", "2", "--report-to", "none",
+                 "--output-dir", str(out)]) == 0
+    text = capsys.readouterr().out
+    rewards = [json.loads(line)["reward"] for line in open(out / "metrics.jsonl")]
+    assert f"done: grpo on the tiny preset, 4 scored steps in 0:" in text, text
+    assert f"mean step reward {rewards[0]:.3f} (first quarter) -> {rewards[-1]:.3f} (last)" in text
+    assert f"final model: {out / 'final'}" in text and f"curves:      {out / 'reward_curve.png'}\n" in text
+    assert f"logs:        {out / 'metrics.jsonl'}, {out / 'samples.jsonl'}" in text
+    assert (f"next:        python evaluate.py --model tiny --model {out / 'final'} --eval-prompt train --judge none "
+            f"--scenarios data/scenarios_test.jsonl --max-turns 4 --seed 0 --output-dir eval/run") in text
+    assert (out / "final").is_dir() and (out / "reward_curve.png").is_file()
