@@ -254,13 +254,15 @@ def main(argv=None) -> int:
     if record.get("fingerprint") != fp:  # measured on other rules: none of it is true of this code
         record = {}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    record.update({"command": "python benchmarks/learning.py " + " ".join(f"--seed {s}" for s in seeds),
-                   "fingerprint": fp})
+    record["fingerprint"] = fp
     record.setdefault("seeds", {})
     for seed in seeds:
         figures = measure(seed, args)
         figures["commit"] = commit.strip() or None
         record["seeds"][str(seed)] = figures
+        # the command that measures every seed on record (a seed measured alone joins the others)
+        record["command"] = "python benchmarks/learning.py " + " ".join(f"--seed {s}" for s in sorted(
+            record["seeds"], key=int)) + (" --toy" if args.toy else "")
         with open(args.out, "w", encoding="utf-8") as f:  # after each seed: a later failure keeps it
             json.dump(record, f, indent=1, ensure_ascii=False)
         lines = figures["lines"]
