@@ -9,7 +9,11 @@ replies (4 x 4 x 3 = 48). This script reads that many committed replies
 with the reader in bfloat16 (what the preset runs) and again in float32 (evaluate.py's
 --fluency-model precision), and prints the seconds a step's reads take, their share of the
 median step time of a finished run (--metrics: its metrics.jsonl), and the largest difference
-between the two precisions (nats a token). --json PATH writes the figures.
+between the two precisions (nats a token). With --transcripts (evaluate.py's transcripts.jsonl
+files) it also prints how the reader reads each file's replies, as the rule user reads them
+(after the user's line): the median, the 10th and 5th percentiles (how RuleBackend.FLUENT was
+set, on the base model's replies to the training scenarios) and how many fall below the gate's
+top (rule_user.RuleBackend.FLUENT[1]). --json PATH writes the figures.
 """
 import argparse
 import json
@@ -18,6 +22,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,20 +31,22 @@ sys.path[:0] = [os.path.dirname(HERE)]
 import report  # noqa: E402
 from plumbing import models  # noqa: E402
 from plumbing.reader import load_reader, reply_logprob  # noqa: E402
+from rule_user import RuleBackend  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replies", type=int, default=48, help="replies read (a preset step appraises 48)")
     ap.add_argument("--metrics", default="", help="a finished run's metrics.jsonl: its median step time")
+    ap.add_argument("--transcripts", nargs="*", default=[], help="evaluate.py transcripts: how the reader reads them")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args(argv)
     if args.replies < 1:
         ap.error("--replies: must be >= 1")
     if models.smollm2_missing():
         return report.finish(args.json, {}, {"reader": models.smollm2_missing()})
-    rows = [json.loads(line) for line in open(os.path.join(os.path.dirname(HERE), "data",
-                                                           "goal_reader_labels_run5.jsonl"))][:args.replies]
+    with open(os.path.join(os.path.dirname(HERE), "data", "goal_reader_labels_run5.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f][:args.replies]
     reader = load_reader("smollm2")
     reader([{"role": "user", "content": "Hi."}], "Hello.")  # warm up
     t = time.perf_counter()
@@ -54,12 +61,35 @@ def main(argv=None) -> int:
     print(f"{len(rows)} replies read in {seconds:.2f} s ({seconds / len(rows) * 1000:.0f} ms a read); bfloat16 "
           f"against float32: at most {res['max_abs_diff_fp32']:.3f} nats a token apart")
     if args.metrics:
-        steps = [r["step_time"] for r in map(json.loads, open(args.metrics)) if r.get("step_time")]
+        steps = [r["step_time"] for r in map(json.loads, open(args.metrics, encoding="utf-8")) if r.get("step_time")]
         res["median_step_s"] = round(statistics.median(steps), 2)
         res["share_of_step"] = round(seconds / res["median_step_s"], 3)
         print(f"a step's reads: {seconds:.2f} s of a median step of {res['median_step_s']:.1f} s "
               f"({args.metrics}): {res['share_of_step']:.3f} of a step")
+    for path in args.transcripts:
+        res.setdefault("transcripts", {})[path] = read_transcripts(reader, path)
     return report.finish(args.json, {"smollm2": res}, {})
+
+
+def read_transcripts(reader, path: str) -> dict:
+    """Each agent reply of an evaluate.py transcript file, read as the rule user reads it."""
+    values = []
+    with open(path, encoding="utf-8") as f:
+        for history in (json.loads(line)["history"] for line in f if line.strip()):
+            last_user = ""
+            for m in history:
+                if m["role"] == "user":
+                    last_user = m["content"]
+                elif last_user:
+                    values.append(reader([{"role": "user", "content": last_user}], m["content"]))
+    values = [v for v in values if v is not None]
+    top = RuleBackend.FLUENT[1]
+    p5, p10, median = (round(float(x), 2) for x in np.percentile(values, [5, 10, 50]))  # linear interpolation
+    out = {"replies": len(values), "median": median, "p10": p10, "p5": p5,
+           "below_gate_top": sum(v < top for v in values)}
+    print(f"{path}: {out['replies']} replies, median {median:.2f} nats a token, 10th percentile {p10:.2f}, "
+          f"5th {p5:.2f}; {out['below_gate_top']} below the gate's top {top}")
+    return out
 
 
 if __name__ == "__main__":

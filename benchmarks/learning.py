@@ -52,6 +52,11 @@ EVAL_FLAGS = ["--eval-prompt", "train", "--judge", "none", "--scenarios", "data/
               "--max-new-tokens", "40", "--reply-stats"]
 
 
+def jsonl(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 # ---- what the documented run depends on ----------------------------------------------------
 def preset_config(argv=("--algo", "grpo", "--preset", PRESET)) -> dict:
     """The configuration a train.py command resolves to (train.py --print-config, a process of
@@ -75,7 +80,7 @@ def fingerprint(config: dict | None = None) -> dict:
     answers at each emotion level; the reader's name and the preset's configuration (`config`,
     default preset_config()); the scenario files."""
     preset = preset_config() if config is None else config
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "data", "goal_reader_labels_run5.jsonl"))]
+    rows = jsonl(os.path.join(ROOT, "data", "goal_reader_labels_run5.jsonl"))
 
     def stub_reader(before, reply):  # -6 .. -4 nats, by the reply's hash: across the gate
         return -6.0 + 2.0 * int(hashlib.sha256(reply.encode()).hexdigest()[:4], 16) / 0xFFFF
@@ -102,7 +107,7 @@ def fingerprint(config: dict | None = None) -> dict:
 # ---- the bar ---------------------------------------------------------------------------------
 def rise(metrics_path: str) -> dict:
     """Line a: the step rewards' first and last quarter."""
-    rewards = [r["reward"] for r in map(json.loads, open(metrics_path)) if r.get("reward") is not None]
+    rewards = [r["reward"] for r in jsonl(metrics_path) if r.get("reward") is not None]
     q = max(1, len(rewards) // 4)
     first, last = rewards[:q], rewards[-q:]
     sd = statistics.stdev(first) if len(first) > 1 else 0.0
@@ -118,8 +123,8 @@ def opening(text: str) -> str:
 
 def held_out(eval_dir: str, base: str, trained: str) -> dict:
     """Lines b to e from evaluate.py's summary.json and transcripts."""
-    summary = json.load(open(os.path.join(eval_dir, "summary.json")))
-    recs = {m: {r["scenario_id"]: r for r in map(json.loads, open(os.path.join(eval_dir, m, "transcripts.jsonl")))}
+    summary = json.load(open(os.path.join(eval_dir, "summary.json"), encoding="utf-8"))
+    recs = {m: {r["scenario_id"]: r for r in jsonl(os.path.join(eval_dir, m, "transcripts.jsonl"))}
             for m in (base, trained)}
     both = sorted(set(recs[base]) & set(recs[trained]))
     higher = sum(recs[trained][s]["emotion"] > recs[base][s]["emotion"] for s in both)
@@ -152,7 +157,7 @@ def held_out(eval_dir: str, base: str, trained: str) -> dict:
 def write_pairs(eval_dir: str, base: str, trained: str, seed: int, out_dir: str) -> str:
     """The held-out pairs for blind readers: each scenario's two dialogues as A and B in a shuffled
     order (the key, which is which, in a file of its own the readers are not given)."""
-    recs = {m: {r["scenario_id"]: r for r in map(json.loads, open(os.path.join(eval_dir, m, "transcripts.jsonl")))}
+    recs = {m: {r["scenario_id"]: r for r in jsonl(os.path.join(eval_dir, m, "transcripts.jsonl"))}
             for m in (base, trained)}
     rng, pairs, key = random.Random(1000 + seed), [], {}
     for k, sid in enumerate(sorted(set(recs[base]) & set(recs[trained])), 1):
@@ -175,7 +180,7 @@ def preferred(labels_path: str) -> dict:
     "choice": "A" | "B" | "tie", "trained": "A" | "B"}."""
     if not os.path.isfile(labels_path):
         return {"met": None, "why": f"no labels in {os.path.relpath(labels_path, ROOT)}"}
-    rows = [json.loads(line) for line in open(labels_path) if line.strip()]
+    rows = jsonl(labels_path)
     per = collections.defaultdict(collections.Counter)
     choice = collections.defaultdict(dict)
     for r in rows:
@@ -218,9 +223,9 @@ def measure(seed: int, args) -> dict:
     run(eval_cmd, log_path)  # finished dialogues are reused (the same protocol): a rerun only re-reads
     with open(os.path.join(ROOT, eval_dir, "summary.json"), encoding="utf-8") as f:
         trained = next(label for label in json.load(f)["results"] if label != base)
+    steps = jsonl(os.path.join(ROOT, run_dir, "metrics.jsonl"))
     figures = {"train_command": " ".join(train_cmd), "eval_command": " ".join(eval_cmd),
-               "minutes_of_steps": round(sum(r.get("step_time", 0) for r in map(
-                   json.loads, open(os.path.join(ROOT, run_dir, "metrics.jsonl")))) / 60, 1)}
+               "minutes_of_steps": round(sum(r.get("step_time", 0) for r in steps) / 60, 1)}
     figures["lines"] = {"a": rise(os.path.join(ROOT, run_dir, "metrics.jsonl"))}
     held = held_out(os.path.join(ROOT, eval_dir), base, trained)
     figures["lines"].update(held.pop("lines"))

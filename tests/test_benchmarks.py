@@ -155,8 +155,8 @@ def test_bench_goal_signal_toy(tmp_path, monkeypatch):
     passive user's x0.7 included; GRPO's advantage in a group of two is +-1/sqrt(2). One file
     alone holds no group, the same file twice is refused, and so is a protocol.json beside the
     files that is not a JSON object in UTF-8 (one line naming it)."""
-    from rule_user import RuleBackend
     from plumbing.scenarios import load_scenarios
+    from rule_user import RuleBackend
     scen = {s.id: s for s in load_scenarios(os.path.join(ROOT, "data", "scenarios_train.jsonl"))}
     line = "That doesn't really help. What should I actually do next?"
     plays = {"en-017": [["You could try one small step tomorrow.", "That sounds hard."],  # advice, passive
@@ -271,7 +271,7 @@ def test_bench_goal_reader_toy(tmp_path, monkeypatch):
         broken.write_bytes(b"".join(path.read_bytes().splitlines(keepends=True)[:6]) + bad + b"\n")
         with pytest.raises(SystemExit, match="labels.jsonl:" + why):
             module.main([str(broken)])
-    import glob  # the committed labels (docs/LEARNING.md's tables) load, each reply of a model once
+    import glob  # the committed labels (data/goal_reader_labels*.jsonl) load, each reply of a model once
     for labels in glob.glob(os.path.join(ROOT, "data", "goal_reader_labels*.jsonl")):
         rows = module.load_labels(labels)
         assert rows and len({r["id"] for r in rows}) == len(rows), labels
@@ -285,8 +285,16 @@ def test_bench_reader_toy(tmp_path):
         pytest.skip(smollm2_missing())
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": k, "step_time": t}) + "\n" for k, t in enumerate((20.0, 30.0, 40.0))))
-    rc, out, log, res = bench(tmp_path, "bench_reader.py", "--replies", "3", "--metrics", str(metrics))
+    transcripts = tmp_path / "transcripts.jsonl"  # two replies answer a user's line; the first line is the agent's
+    transcripts.write_text(json.dumps({"history": [
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "They cut my hours."},
+        {"role": "assistant", "content": "That sounds hard. How are you holding up?"},
+        {"role": "user", "content": "Not great."}, {"role": "assistant", "content": "Hurtsome feel overwhelmingly?"}]}) + "\n")
+    rc, out, log, res = bench(tmp_path, "bench_reader.py", "--replies", "3", "--metrics", str(metrics),
+                              "--transcripts", str(transcripts))
     assert rc == 0, log[-3000:]
     r = res["results"]["smollm2"]
+    seen = r["transcripts"][str(transcripts)]
+    assert seen["replies"] == 2 and seen["p10"] <= seen["median"] and 0 <= seen["below_gate_top"] <= 2
     assert r["replies"] == 3 and r["median_step_s"] == 30.0 and r["share_of_step"] == pytest.approx(r["seconds"] / 30, abs=1e-3)
     assert 0 <= r["max_abs_diff_fp32"] < 0.1 and "of a step" in out

@@ -1,0 +1,96 @@
+"""The front page's proof that it learns is of the code as it is: docs/learning.json, written by
+benchmarks/learning.py, records what its runs depended on (benchmarks/learning.fingerprint), and
+the README and docs/LEARNING.md quote only its figures."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from learning import fingerprint  # noqa: E402
+
+RECORD = os.path.join(ROOT, "docs", "learning.json")
+
+
+def test_the_documented_learning_runs_were_measured_on_this_code():
+    """Fails, naming the command that re-measures them, when the rule user's appraisals of a fixed
+    set of replies, its reader, the smollm2-cpu preset or the scenario files have changed since."""
+    with open(RECORD, encoding="utf-8") as f:
+        record = json.load(f)
+    now, then = fingerprint(), record["fingerprint"]
+    changed = [k for k in now if then.get(k) != now[k]]
+    assert not changed, (f"docs/learning.json was measured with another {', '.join(changed)} than the code's: "
+                         f"re-measure with `{record['command']}` and update README.md and docs/LEARNING.md")
+    assert record["seeds"], "docs/learning.json holds no run"
+
+
+def test_the_fingerprint_follows_the_rules_not_the_machine():
+    """A change of one weight, of the reader's gate, of the reader or of a preset value moves the
+    fingerprint; computing it again does not. The preset's configuration is train.py's own
+    (--print-config)."""
+    from learning import preset_config
+    from rule_user import RuleBackend
+    config = preset_config()
+    assert config["user_reader"] == "smollm2" and config["steps"] == 80 and config["group_size"] == 4
+    assert "engine" not in config and "output_dir" not in config
+    first = fingerprint(config)
+    assert fingerprint(config) == first
+    old = dict(RuleBackend.WEIGHTS)
+    try:
+        RuleBackend.WEIGHTS["reflect"] += 0.5
+        assert fingerprint(config)["rule_user"] != first["rule_user"]
+    finally:
+        RuleBackend.WEIGHTS.clear()
+        RuleBackend.WEIGHTS.update(old)
+    gate = RuleBackend.FLUENT
+    try:
+        RuleBackend.FLUENT = (gate[0] - 0.2, gate[1])
+        assert fingerprint(config)["rule_user"] != first["rule_user"]
+    finally:
+        RuleBackend.FLUENT = gate
+    assert fingerprint({**config, "steps": 81})["preset"] != first["preset"]
+    assert fingerprint({**config, "user_reader": "none"})["reader"] == "none"
+    assert fingerprint(config) == first
+
+
+def test_the_readme_quotes_only_the_records_figures():
+    """Every number in the README's learning section is one of docs/learning.json's (as written
+    there, or its percentage), the section's own labels and the bar's thresholds aside."""
+    with open(RECORD, encoding="utf-8") as f:
+        text = f.read()
+    figures = set(re.findall(r"-?\d+(?:\.\d+)?", text))
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = readme.split("<!-- learning: figures from docs/learning.json -->")[1].split("<!-- /learning -->")[0]
+    allowed = {"0", "1", "2", "3", "5", "13", "15", "20", "30", "0.3", "0.03", "1.5", "135"}
+    quoted = set(re.findall(r"(?<![\w.])[-−+]?\d+(?:\.\d+)?", section))
+    stray = [q for q in quoted if q.lstrip("+").replace("−", "-") not in figures | allowed]
+    assert not stray, f"README's learning section quotes figures not in docs/learning.json: {stray}"
+
+
+def test_learning_toy(tmp_path):
+    """benchmarks/learning.py at toy size: the tiny preset trains 4 steps, base and trained play 2
+    held-out scenarios, and the record holds every line of the bar, the commands, the pairs for the
+    blind readers (A/B in a shuffled order, the key apart) and the fingerprint; a second call keeps
+    the trained model (no training again)."""
+    out = tmp_path / "learning.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "learning.py"), "--toy", "--seed", "3", "--out", str(out),
+           "--pictures", str(tmp_path), "--runs", str(tmp_path / "runs" / "toy"),
+           "--eval", str(tmp_path / "eval" / "toy")]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    record = json.loads(out.read_text())
+    seed = record["seeds"]["3"]
+    assert record["fingerprint"] == fingerprint() and "--preset tiny" in seed["train_command"]
+    assert sorted(seed["lines"]) == ["a", "b", "c", "d", "e", "f"]
+    assert seed["lines"]["a"]["steps"] == 4 and seed["lines"]["b"]["higher"] + seed["lines"]["b"]["equal"] <= 2
+    assert seed["lines"]["f"]["met"] is None  # no readers' labels for a toy
+    assert seed["scenarios"] == 2 and (tmp_path / "learning_s3.png").is_file()
+    blind = os.path.join(ROOT, seed["pairs_for_readers"])
+    pairs, key = open(os.path.join(blind, "pairs.md")).read(), json.load(open(os.path.join(blind, "key.json")))
+    assert pairs.count("## Pair ") == 2 and "tiny" not in pairs and "final" not in pairs
+    assert sorted(key) == ["1", "2"] and {v["trained"] for v in key.values()} <= {"A", "B"}
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "kept " in p.stdout, (p.stdout + p.stderr)[-3000:]
