@@ -24,8 +24,8 @@ import math
 import random
 import re
 
-from plumbing.rule_words import (AGENT_FRAMES, BYE, FEATURE_WORDS, GOAL_HINTS, GOAL_WORDS, OPENING, REPLIES,
-                                 SELF_FEELING, SELF_TALK)
+from rule_words import (AGENT_FRAMES, BYE, FEATURE_WORDS, GOAL_HINTS, GOAL_WORDS, OPENING, REPLIES, SELF_FEELING,
+                        SELF_TALK)
 from simulator import CHITCHAT_GOALS, Scenario, UserState
 
 def emotion_level(emotion: int) -> int:

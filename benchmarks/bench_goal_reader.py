@@ -1,10 +1,10 @@
 """How far the rule user's goal cues agree with readers, on replies readers labelled by meaning.
 The rule user pays `goal` for the cues of the person's goal type and docks `clash` for those of a
-goal type that fails them (rule_user.RuleBackend.features, plumbing/rule_words.py GOAL_WORDS); the
+goal type that fails them (rule_user.RuleBackend.features, rule_words.py GOAL_WORDS); the
 held-out `goal_fit` statistic counts the same cues (plumbing.logs.reply_measures). Both stand for
 "the reply gives this person what they need". This script measures how often they do, against
 readers (language-model assistants told to judge by meaning, blind to the cues) who labelled the
-same replies (docs/LEARNING.md, issue 50: the readers' audit).
+same replies (docs/LEARNING.md, "How each line of the bar is measured").
 
     python benchmarks/bench_goal_reader.py      # data/goal_reader_labels.jsonl: the base model's probe
     python benchmarks/bench_goal_reader.py data/goal_reader_labels_runs.jsonl --by model  # held out, 3 models
@@ -27,8 +27,8 @@ sys.path[:0] = [os.path.dirname(HERE)]
 
 import report  # noqa: E402
 from plumbing.logs import fmt, reply_measures  # noqa: E402
-from plumbing.rule_words import GOAL_WORDS  # noqa: E402
 from plumbing.scenarios import jsonl_rows  # noqa: E402
+from rule_words import GOAL_WORDS  # noqa: E402
 from simulator import CHITCHAT_GOALS  # noqa: E402
 
 FIELDS = {"id": str, "model": str, "goal_type": str, "user_line": str, "reply": str, "serves": bool, "clash": bool}

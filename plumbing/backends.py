@@ -32,7 +32,7 @@ import openai
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from plumbing.checkpoints import append_line
+from plumbing.files import append_line
 from rule_user import RuleBackend
 from simulator import USERS, Simulator
 

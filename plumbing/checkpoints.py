@@ -6,7 +6,6 @@ checkpoint, a final model or a log that looks complete but is not.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -19,60 +18,11 @@ import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
+from plumbing.files import SaveError, _FailedElsewhere, _remove, append_line, written_atomically  # noqa: F401 (SaveError, append_line: re-exported)
 from plumbing.lora import adapter_state, engine_weights, is_lora, save_adapter
 from update import all_sum
 
 log = logging.getLogger("train")
-
-
-class SaveError(OSError):
-    """Writing a checkpoint, the final model, a log or a transcript failed (a full disk, ...).
-    Nothing half-written is left where a later command would read it. `elsewhere`: this
-    process wrote its part; another process's write failed (that one says why)."""
-    elsewhere = False
-
-
-class _FailedElsewhere(OSError):
-    pass
-
-
-@contextlib.contextmanager
-def written_atomically(path: str, owner: bool = True, unique: bool = False):
-    """Yield a temporary path beside `path` (a file or a folder to write); when the block ends
-    without an error, rename it onto `path` (atomic on one file system; a folder replaces the
-    old one whole), else remove it and raise SaveError. owner=False: only write into it
-    (another process of a launch owns the rename). unique: several processes may write the same
-    thing at once, each into its own temporary path; the first rename wins, a later one fails.
-
-    A full disk shows as OSError, torch.save's RuntimeError or safetensors' own error,
-    depending on the writer: all are a SaveError here."""
-    name = f".tmp-{os.getpid()}-" if unique else ".tmp-"
-    tmp = os.path.join(os.path.dirname(path) or ".", name + os.path.basename(path))
-    if owner:
-        _remove(tmp)
-    try:
-        yield tmp
-        if owner:
-            if os.path.isdir(tmp) and not unique:
-                _remove(path)
-            os.replace(tmp, path)
-    except Exception as e:
-        error = SaveError(f"could not write {path}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}")
-        error.elsewhere = isinstance(e, _FailedElsewhere)
-        raise error from e
-    finally:
-        if owner:
-            _remove(tmp)
-
-
-def append_line(path: str, line: str):
-    """Append one line (a JSONL row) in one write. A failure (a full disk) is a SaveError; a line
-    it cut short is dropped by the next reader (truncate_logs, evaluate.resume_transcripts)."""
-    try:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-    except OSError as e:
-        raise SaveError(f"could not write {path}: {e.strerror or e}") from e
 
 
 def resume_hint(cfg, argv: list[str]) -> str:
@@ -121,13 +71,6 @@ def launch_command() -> list[str]:
         words[0] = os.path.basename(words[0])  # .../bin/accelerate, .../bin/torchrun
     here = os.getcwd() + os.sep
     return [w[len(here):] if w.startswith(here) else w for w in words]
-
-
-def _remove(path: str):
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.exists(path):
-        os.remove(path)
 
 
 def ckpt_dir(cfg):
@@ -327,7 +270,7 @@ def check_restored(accelerator, path: str):
     layers) while the optimizer's moments were. One line (InputError) on every process."""
     from safetensors import safe_open
 
-    from plumbing.checks import InputError
+    from plumbing.files import InputError
     for i, model in enumerate(accelerator._models):
         file = os.path.join(path, "model.safetensors" if i == 0 else f"model_{i}.safetensors")
         if not os.path.isfile(file):  # FSDP2: sharded, loaded whole and strictly

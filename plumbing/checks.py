@@ -8,12 +8,9 @@ refuses the key or the model raises plumbing.backends.EndpointError: also one li
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import os
-import tempfile
 
 import huggingface_hub as hub
 import torch
@@ -22,16 +19,13 @@ from transformers import AutoConfig
 from plumbing.backends import make_backend
 from plumbing.checkpoints import checkpoint_state, find_resume
 from plumbing.engines import engine_problem
+from plumbing.files import InputError, lock_output_dir, make_output_dir  # noqa: F401 (re-exported for the entry points)
 from plumbing.lora import lora_problem
 from plumbing.models import smollm2_missing
 from plumbing.reader import load_reader
 from plumbing.scenarios import ScenarioError, load_scenarios
 
 log = logging.getLogger("train")
-
-
-class InputError(Exception):
-    """Bad flags or inputs, reported as one line before any heavy work."""
 
 
 def check_model_arg(flag: str, value: str, adapters: bool = False):
@@ -250,45 +244,3 @@ def checked_backend(cfg, seed: int = 0):
         except ConnectionError as e:
             raise InputError(str(e)) from None
     return backend
-
-
-def make_output_dir(flag: str, path: str):
-    """Create `path` and check that a file can be written there: InputError otherwise."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
-    except OSError as e:
-        raise InputError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
-
-
-NO_LOCKING = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP}  # "no locking here"
-
-
-def lock_output_dir(path: str):
-    """One run per output directory: two runs would interleave their metrics and overwrite each
-    other's checkpoints. An exclusive lock (flock) on `.lock` in the directory, held until the
-    process exits (the kernel drops it on a crash or SIGKILL too, so nothing stale is left).
-    Each process of a multi-process launch locks its own file (`.lock-RANK`), and all agree on
-    the outcome (plumbing.distributed.claim_output_dir): a second launch stops on every process,
-    even when only some of its ranks clash with the first run's. Returns the open file
-    (keep it referenced); InputError naming the directory and the holder's pid if locked."""
-    rank = os.environ.get("RANK", "0")
-    f = open(os.path.join(path, ".lock" if rank == "0" else f".lock-{rank}"), "a+", encoding="utf-8")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        pid = f.read().strip() or "unknown"
-        f.close()
-        raise InputError(f"--output-dir {path}: in use by another run (pid {pid})") from None
-    except OSError as e:
-        if e.errno not in NO_LOCKING:
-            raise
-        # A file system without flock (Lustre mounted without it, some NFS): no lock here, but
-        # no reason to stop every rank with a traceback either.
-        log.warning("--output-dir %s: this file system has no file locks (%s): a second run in it would not be "
-                    "refused", path, errno.errorcode.get(e.errno, e.errno))
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
-    return f

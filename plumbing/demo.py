@@ -15,7 +15,8 @@ import os
 from transformers import HfArgumentParser
 
 from plumbing.backends import SimulatorArgs, make_backend, make_simulator
-from plumbing.checks import InputError, check_floats
+from plumbing.checks import check_floats
+from plumbing.files import InputError
 from plumbing.scenarios import ScenarioError, eval_initial_emotion, load_scenarios
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

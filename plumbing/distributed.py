@@ -37,7 +37,7 @@ from accelerate.utils import (DistributedType, FullyShardedDataParallelPlugin, I
 from torch.distributed.fsdp import MixedPrecisionPolicy, register_fsdp_forward_method
 from transformers import AutoModelForCausalLM
 
-from plumbing.checks import InputError, lock_output_dir, make_output_dir
+from plumbing.files import InputError, lock_output_dir, make_output_dir
 from plumbing.lora import engine_weights, trainable_only
 from plumbing.logs import reply_measures, rollout_stats, trackers
 from rollout import rollout
@@ -247,7 +247,8 @@ def claim_output_dir(accelerator, path: str):
     if nodes > 1 and first_on_node():
         node = node_of(accelerator.process_index)
         log.info("node %d of %d: ranks %d-%d on host %s; the main process (rank 0: metrics.jsonl, samples.jsonl, "
-                 "the checkpoints, final/) runs on host %s; --output-dir %s is shared", node, nodes, node * per,
+                 "final/ and the checkpoints' renames; every process writes its own part of a checkpoint) runs "
+                 "on host %s; --output-dir %s is shared", node, nodes, node * per,
                  node * per + per - 1, socket.gethostname(), main_host, path)
     return lock
 

@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from plumbing.checkpoints import append_line  # noqa: E402
+from plumbing.files import append_line  # noqa: E402
 from rule_user import RuleBackend, content_words, ends_sentence, questions, word_list  # noqa: E402
 
 log = logging.getLogger("train")
@@ -189,7 +189,7 @@ CURVES = [("reward", "mean reward (final emotion / 100)"), ("response_length", "
           ("format_violation_rate", "format violations per agent turn")]
 # Curves with a panel of their own after CURVES, drawn only when the run logged them: the KL to
 # the reference model (--kl-coef > 0; the k3 estimate the update logs), how far the policy moved
-# from where it started (docs/LEARNING.md, issue 50's run 6).
+# from where it started (docs/LEARNING.md, "Earlier users and runs").
 OPTIONAL_CURVES = [("kl", "KL to the reference (k3 per token)")]
 
 

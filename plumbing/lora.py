@@ -75,7 +75,7 @@ def add_adapter(model, cfg, base_name: str):
     linear projection, or that name the embeddings or the LM head."""
     from peft import LoraConfig, get_peft_model
 
-    from plumbing.checks import InputError
+    from plumbing.files import InputError
     linear = linear_targets(model)
     if not linear:  # e.g. GPT-2's Conv1D projections
         raise InputError(f"--lora-rank: {base_name} has no linear projection (nn.Linear) to adapt")

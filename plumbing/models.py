@@ -24,11 +24,11 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokeniz
                           Qwen2ForCausalLM)
 from transformers.utils import is_flash_attn_2_available
 
-from plumbing.checkpoints import written_atomically
+from plumbing.files import written_atomically
 from plumbing.lora import add_adapter, load_adapter_dir
 from ppo import ValueModel
 from rollout import SYSTEM_PROMPTS
-from plumbing.rule_words import BYE, FEATURE_WORDS, GOAL_HINTS, GOAL_WORDS, OPENING, REPLIES
+from rule_words import BYE, FEATURE_WORDS, GOAL_HINTS, GOAL_WORDS, OPENING, REPLIES
 
 
 def pick_attn_implementation() -> str:

@@ -216,7 +216,7 @@ def test_bench_goal_signal_toy(tmp_path, monkeypatch):
 
 def test_bench_goal_reader_toy(tmp_path, monkeypatch):
     """Issue 50's readers' audit: six labelled replies whose cue judgments are read off the cue
-    lists by hand (plumbing/rule_words.py): "You could try" serves advice, "Your right" (as
+    lists by hand (rule_words.py): "You could try" serves advice, "Your right" (as
     misspelled) is no validation cue, "brave" pays praise even in "I'm not brave anymore", "Tell
     me more" serves a venter but "try", "you could", "plan" beside it clash (so no fit), and a
     reader who marks a reply both serving and clashing does not call it a fit. Recall, precision

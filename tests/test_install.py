@@ -33,12 +33,14 @@ def test_the_cpu_installs_pin_the_torch_ci_tests():
 
 
 def test_the_lesson_stays_within_its_budget():
-    """Issue 47 item 14-15: the reader's path (the top-level .py files but evaluate.py and
-    judge.py) at most 2,800 lines, simulator.py at most 600; train.py a launcher nothing in the
-    project imports (benchmarks run it as a process)."""
+    """The reader's path (the top-level .py files but evaluate.py and judge.py, and rule_words.py:
+    the rule user's word lists, data beside the code that reads them) at most 2,800 lines,
+    simulator.py at most 600; train.py a launcher nothing in the project imports (benchmarks run
+    it as a process)."""
     import glob
     import re
-    path = [f for f in glob.glob(os.path.join(ROOT, "*.py")) if os.path.basename(f) not in ("evaluate.py", "judge.py")]
+    path = [f for f in glob.glob(os.path.join(ROOT, "*.py"))
+            if os.path.basename(f) not in ("evaluate.py", "judge.py", "rule_words.py")]
     lines = {os.path.basename(f): len(open(f, encoding="utf-8").read().splitlines()) for f in path}
     assert sum(lines.values()) <= 2800, lines
     assert lines["simulator.py"] <= 600
@@ -46,3 +48,50 @@ def test_the_lesson_stays_within_its_budget():
         glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))
     importers = [f for f in code if re.search(r"^\s*(import train\b|from train import)", open(f, encoding="utf-8").read(), re.M)]
     assert not importers, importers
+
+
+def project_imports() -> dict:
+    """Each module of the project (the top-level files and plumbing/) -> the project modules it
+    imports, anywhere in it (a function's own import included), read from the source."""
+    import ast
+    import glob
+    files = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "plumbing", "*.py"))
+    names = {os.path.relpath(f, ROOT)[:-3].replace(os.sep, "."): f for f in files}
+    graph = {}
+    for name, path in names.items():
+        found = set()
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+                found |= {f"{node.module}.{a.name}" for a in node.names}  # from plumbing import models
+        graph[name] = sorted(m for m in found if m in names and m != name)
+    return graph
+
+
+def test_the_house_has_no_import_circle_and_the_lesson_imports_no_plumbing():
+    """Imports go one way: no circle among the project's modules (plumbing/ included: its leaf
+    helpers are in plumbing/files.py, which imports nothing of the project), and no lesson file
+    imports plumbing/ (it may take plumbing only as a function argument); the entry points
+    train.py and evaluate.py are the launcher's side."""
+    graph = project_imports()
+    done, path = set(), []
+
+    def visit(node):  # depth first: a node met again on the current path closes a circle
+        if node in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(node):] + [node]))
+        if node in done:
+            return
+        path.append(node)
+        for nxt in graph[node]:
+            visit(nxt)
+        path.pop()
+        done.add(node)
+    for node in graph:
+        visit(node)
+    assert graph["plumbing.files"] == []
+    lesson = [n for n in graph if "." not in n and n not in ("train", "evaluate")]
+    assert {"rule_user", "rule_words", "simulator", "rollout", "grpo", "ppo"} <= set(lesson)
+    into = {n: [m for m in graph[n] if m.startswith("plumbing")] for n in lesson}
+    assert not any(into.values()), into

@@ -86,7 +86,7 @@ def test_rule_challenging_user_weighs_goal_more_and_gibberish_harder():
 
 
 def test_challenging_rule_user_never_hints_at_its_goal():
-    from plumbing.rule_words import GOAL_HINTS
+    from rule_words import GOAL_HINTS
     hints = {h for lang in GOAL_HINTS.values() for h in lang.values() if h}
     for user, expect_hint in (("standard", True), ("challenging", False)):
         sim = Simulator(RuleBackend(seed=0), initial_emotion=50, max_turns=10, user=user)
@@ -210,7 +210,7 @@ def test_a_finished_reply_with_one_question_beats_the_gamed_replies_of_the_earli
         assert change(gamed) < change(good) - 1.5, (gamed, change(gamed), change(good))
 
 
-# The replies of the run that met every other line of issue 39's bar (docs/LEARNING.md, run 2),
+# The replies of the run that met every other line of issue 39's bar (docs/LEARNING.md, "Earlier users and runs"),
 # to the held-out scenario en-043: a question about how it feels, said again from the second turn.
 EN043_RUN2 = [("I keep seeing that house. I haven't told anyone.", "How would it feel?”"),
               ("I don't know... it still feels bad. Am I missing another side?",
@@ -322,7 +322,7 @@ def test_what_the_person_needs_pays_and_what_clashes_with_it_costs(goal, right, 
     assert GOAL_CLASHES[goal] and all(len(reason) > 10 for reason in GOAL_CLASHES[goal].values())
 
 
-ANSWERS_TO_THE_HINT = {  # what a person says to each hint (plumbing.rule_words.GOAL_HINTS); English: one cue each
+ANSWERS_TO_THE_HINT = {  # what a person says to each hint (rule_words.GOAL_HINTS); English: one cue each
     "advice": ["You could start small: call her tomorrow.", "你可以试试先和她聊一次。"],
     "analyze_others": ["Maybe they were scared of losing their own spot.", "他们可能也有自己的难处。"],
     "dialectical": ["There may be more to it than the part that hurt.", "换个角度看，事情也许没那么简单。"],
@@ -339,11 +339,11 @@ def test_what_a_person_says_to_the_hint_serves_the_goal_and_pays_most(goal):
     """Issue 50, after three runs: SmolLM2 at the training temperature said a cue of 3 of the 8
     goal types (dialectical, self-reflection, validation) in none of 60 replies each, and one
     cue paid half the goal (+1.5, less than naming the feeling, +2): the goal was neither found
-    nor worth finding (docs/LEARNING.md, run 4). What a person says to each hint now serves its
+    nor worth finding (docs/LEARNING.md, "Earlier users and runs"). What a person says to each hint now serves its
     goal, one cue pays it in full, and it pays most: more than any other care feature, so the
     answer earns more than "That sounds hard."; as the person ("I'm all ears") it is no self-talk."""
-    from plumbing.rule_words import GOAL_HINTS
     from rule_user import goal_words
+    from rule_words import GOAL_HINTS
     r = RuleBackend()
     for lang, answer in zip(("en", "zh"), ANSWERS_TO_THE_HINT[goal]):
         f = r.features(answer, GOAL_HINTS[lang][goal], goal)
@@ -366,7 +366,7 @@ def test_the_hint_said_back_in_other_pronouns_serves_no_goal(goal, swapped):
     hard ...") paid the goal for saying the hint back (+8.3 against "That sounds hard."'s +2.6):
     no cue is one. Nor is a phrase said to anyone ("Your feelings are valid": a clash for
     someone who asked what was on them)."""
-    from plumbing.rule_words import GOAL_HINTS
+    from rule_words import GOAL_HINTS
     hint = "I don't know... it still feels bad. " + GOAL_HINTS["en"][goal]
     f = RuleBackend().features(swapped, hint, goal)
     assert f["goal"] == 0.0 and f["clash"] == 0.0, f
@@ -398,7 +398,7 @@ def test_a_reply_that_strings_every_goal_together_earns_a_fraction_of_any():
     """Issue 50 item 2: goal was paid for any two of the goal type's cues, whatever else the
     reply said: advice, praise, validation and "tell me more" strung together earned it for
     every goal. Now only the user's own cues' share of the reply's goal cues is paid."""
-    from plumbing.rule_words import GOAL_WORDS
+    from rule_words import GOAL_WORDS
     scatter = ("You could try a plan. Well done, I'm proud of you. It was not your fault. I'm here, tell me more. "
                "Maybe he had his reasons. On one hand, on the other hand.")
     f = RuleBackend().features
@@ -412,7 +412,7 @@ def test_every_goal_has_a_hint_a_reader_can_tell_apart_said_at_every_middle_leve
     type and chit-chat intention: present, each different, and said with every answer at levels
     2-4 (was: half of them). None says a goal cue: test_no_hint_says_a_goal_cue_..."""
     from plumbing.scenarios import GOAL_TYPES
-    from plumbing.rule_words import GOAL_HINTS
+    from rule_words import GOAL_HINTS
     from simulator import CHITCHAT_GOALS
     for lang, hints in GOAL_HINTS.items():
         goals = [g for g in hints if g]
@@ -433,8 +433,8 @@ def test_no_hint_says_a_goal_cue_and_the_users_words_said_back_serve_no_goal():
     and held-out `goal_fit` (empathy 0.00 -> 0.67) without weighing anything. No hint now says
     any goal type's cue, and a cue the user's last line said is no goal served (`reflect` pays
     the user's words), while the goal's own words still pay."""
-    from plumbing.rule_words import GOAL_HINTS, GOAL_WORDS
     from rule_user import _hits
+    from rule_words import GOAL_HINTS, GOAL_WORDS
     said = [(lang, g, t) for lang, hints in GOAL_HINTS.items() for g, h in hints.items() for t, cues in GOAL_WORDS.items()
             if _hits(h.lower(), cues)]
     assert not said, said

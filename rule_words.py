@@ -1,7 +1,9 @@
-"""plumbing/rule_words.py - the offline rule user's word lists and lines (rule_user.py reads them;
-a reader may skip them): the cues of each feature and goal type, the templated answers per
-emotion level, the hints at each hidden goal, the opening and the goodbyes, in English and
-Chinese. They are also the tiny model's vocabulary (plumbing.models.make_tiny_word_tokenizer)."""
+"""rule_words.py - the offline rule user's word lists and lines, beside the rule user that reads
+them (rule_user.py; a reader may skip them, and the lesson's line budget, which counts the
+method's code, does not count them: tests/test_install.py): the cues of each feature and goal
+type, the templated answers per emotion level, the hints at each hidden goal, the opening and the
+goodbyes, in English and Chinese. They are also the tiny model's vocabulary
+(plumbing.models.make_tiny_word_tokenizer). It imports nothing of the project."""
 
 import re
 
