@@ -1,6 +1,6 @@
 """train.py - the whole RLVER loop: rollout against the simulated user, reward, PPO/GRPO update.
 
-    python train.py --algo grpo --preset tiny            # offline, CPU, under a minute on 2 cores
+    python train.py --algo grpo --preset tiny            # offline, CPU, about 30 s on 2 cores
     python train.py --algo ppo  --preset tiny
     accelerate launch --config_file configs/fsdp_8gpu.yaml train.py --algo grpo --preset paper \\
         --simulator-base-url https://api.deepseek.com/v1 --simulator-model deepseek-chat \\
@@ -145,7 +145,7 @@ PRESETS = {
 ALGO_DEFAULTS = {"grpo": {"group_size": 4}, "ppo": {"group_size": 1}}
 # PPO has no group: more scenarios per step for the same work.
 # smollm2-cpu: half GRPO's actor rate (at 1e-4 a PPO run collapsed after 37 steps) and the steps
-# that fit about 45 minutes at PPO's ~55 s a step (docs/LEARNING.md, "PPO on the same preset").
+# that fit about 45 minutes at PPO's ~55 s a step (docs/LEARNING.md, "Why these values").
 PRESET_PPO = {"tiny": {"batch_size": 16},
               "smollm2-cpu": {"batch_size": 16, "steps": 48, "save_every": 12, "actor_lr": 5e-5}}
 

@@ -1,8 +1,8 @@
 """How much the rule user pays for serving the hidden goal, measured on a model's own dialogues.
 GRPO learns from a reply only through its dialogue's advantage over the other dialogues of its
 group (the same scenario played again): a goal that is seldom served, or that lifts a dialogue
-little against everything else the user pays, is not learned (docs/LEARNING.md, issue 50's
-fourth run, where this measured why three runs did not learn it).
+little against everything else the user pays, is not learned (docs/LEARNING.md, "Earlier users and
+runs": user 3, run 4, where this measured why three runs did not learn it).
 
     for s in 0 1 2 3; do python evaluate.py --model smollm2 --eval-prompt train --judge none \\
         --scenarios data/scenarios_train.jsonl --temperature 1.0 --seed $s --initial-emotion 30 \\
