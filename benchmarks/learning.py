@@ -90,9 +90,13 @@ def fingerprint(config: dict | None = None) -> dict:
         for personality in ("", "negative", "passive", "avoidant"):
             sc = Scenario(id=f"fp-{k}", persona="", background="", hidden_goal="", goal_type=r["goal_type"],
                           personality_type=personality)
-            st = UserState(scenario=sc, emotion=50, history=[{"role": "user", "content": r["user_line"]},
-                                                               {"role": "assistant", "content": r["reply"]}])
-            seen.append(round(user.expected_change(st, r["reply"])[0], 3))
+            first = [{"role": "user", "content": r["user_line"]}, {"role": "assistant", "content": r["reply"]}]
+            earlier = rows[k - 1]  # a second turn after another reply: echo and words said before count
+            second = [{"role": "user", "content": earlier["user_line"]}, {"role": "assistant", "content": earlier["reply"]},
+                      *first]
+            for history in (first, second):
+                st = UserState(scenario=sc, emotion=50, history=history)
+                seen.append(round(user.expected_change(st, r["reply"])[0], 3))
     for lang in ("en", "zh"):
         for emotion in (5, 25, 45, 65, 85):
             sc = Scenario(id="fp", persona="", background="x.", hidden_goal="", language=lang, goal_type="venting")
@@ -108,6 +112,8 @@ def fingerprint(config: dict | None = None) -> dict:
 def rise(metrics_path: str) -> dict:
     """Line a: the step rewards' first and last quarter."""
     rewards = [r["reward"] for r in jsonl(metrics_path) if r.get("reward") is not None]
+    if len(rewards) < 2:
+        return {"steps": len(rewards), "met": False, "why": "fewer than two scored steps"}
     q = max(1, len(rewards) // 4)
     first, last = rewards[:q], rewards[-q:]
     sd = statistics.stdev(first) if len(first) > 1 else 0.0
@@ -175,12 +181,17 @@ def write_pairs(eval_dir: str, base: str, trained: str, seed: int, out_dir: str)
     return out_dir
 
 
-def preferred(labels_path: str) -> dict:
+def preferred(labels_path: str, key_path: str) -> dict:
     """Line f from the readers' labels: one JSON line per reader and pair, {"reader", "pair",
-    "choice": "A" | "B" | "tie", "trained": "A" | "B"}."""
+    "scenario_id", "choice": "A" | "B" | "tie", "trained": "A" | "B"}, each checked against the
+    pairs' key (write_pairs): labels of other pairs say nothing of these."""
     if not os.path.isfile(labels_path):
         return {"met": None, "why": f"no labels in {os.path.relpath(labels_path, ROOT)}"}
     rows = jsonl(labels_path)
+    with open(key_path, encoding="utf-8") as f:
+        key = json.load(f)
+    if any(key.get(str(r["pair"])) != {"scenario_id": r["scenario_id"], "trained": r["trained"]} for r in rows):
+        return {"met": None, "why": f"{os.path.relpath(labels_path, ROOT)} labels other pairs than these"}
     per = collections.defaultdict(collections.Counter)
     choice = collections.defaultdict(dict)
     for r in rows:
@@ -202,7 +213,23 @@ def run(cmd: list[str], log_path: str):
         raise SystemExit(f"learning.py: error: `{' '.join(cmd)}` exited {code}; its log: {log_path}")
 
 
-def measure(seed: int, args) -> dict:
+def made_under(folder: str) -> dict:
+    """{"fingerprint", "commit"} a run or an evaluation was made under ({} when not recorded)."""
+    path = os.path.join(folder, "made.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_fingerprint(folder: str, fp: dict, commit: str):
+    if made_under(folder).get("fingerprint") == fp:
+        return  # kept: it keeps the commit it was made at
+    with open(os.path.join(folder, "made.json"), "w", encoding="utf-8") as f:
+        json.dump({"fingerprint": fp, "commit": commit}, f, indent=1)
+
+
+def measure(seed: int, args, fp: dict, commit: str) -> dict:
     run_dir, eval_dir = f"{args.runs}-s{seed}", f"{args.eval}-s{seed}"
     train_cmd = ["python", "train.py", "--algo", "grpo", "--preset", PRESET, "--seed", str(seed),
                  "--report-to", "none", "--output-dir", run_dir]
@@ -212,15 +239,22 @@ def measure(seed: int, args) -> dict:
         train_cmd += ["--steps", "4", "--batch-size", "2", "--save-every", "4"]
         base, reader = "tiny", ["--limit", "2"]
     log_path = os.path.join(ROOT, f"{run_dir}.log")
+    for folder in (run_dir, eval_dir):  # what is kept must have been made under these rules
+        if os.path.isdir(os.path.join(ROOT, folder)) and os.listdir(os.path.join(ROOT, folder)) and \
+                made_under(os.path.join(ROOT, folder)).get("fingerprint") != fp:
+            raise SystemExit(f"learning.py: error: {folder} was made under other rules than the code's "
+                             f"(its made.json): remove it to measure again")
     if os.path.isfile(os.path.join(ROOT, run_dir, "final", "config.json")) or \
             os.path.isfile(os.path.join(ROOT, run_dir, "final", "adapter", "adapter_config.json")):
         print(f"kept {run_dir}/final (remove it to train again)")
     else:
         run(train_cmd + (["--resume", "auto"] if os.path.isdir(os.path.join(ROOT, run_dir, "checkpoints")) else []),
             log_path)
+    write_fingerprint(os.path.join(ROOT, run_dir), fp, commit)
     eval_cmd = ["python", "evaluate.py", "--model", base, "--model", f"{run_dir}/final", *EVAL_FLAGS, *reader,
                 "--output-dir", eval_dir]
     run(eval_cmd, log_path)  # finished dialogues are reused (the same protocol): a rerun only re-reads
+    write_fingerprint(os.path.join(ROOT, eval_dir), fp, commit)
     with open(os.path.join(ROOT, eval_dir, "summary.json"), encoding="utf-8") as f:
         trained = next(label for label in json.load(f)["results"] if label != base)
     steps = jsonl(os.path.join(ROOT, run_dir, "metrics.jsonl"))
@@ -229,10 +263,11 @@ def measure(seed: int, args) -> dict:
     figures["lines"] = {"a": rise(os.path.join(ROOT, run_dir, "metrics.jsonl"))}
     held = held_out(os.path.join(ROOT, eval_dir), base, trained)
     figures["lines"].update(held.pop("lines"))
-    figures["lines"]["f"] = preferred(os.path.join(ROOT, "data", f"learning_readers_s{seed}.jsonl"))
+    blind = write_pairs(os.path.join(ROOT, eval_dir), base, trained, seed, os.path.join(ROOT, f"{eval_dir}-blind"))
+    figures["lines"]["f"] = preferred(os.path.join(ROOT, "data", f"learning_readers_s{seed}.jsonl"),
+                                      os.path.join(blind, "key.json"))
     figures.update(held)
-    figures["pairs_for_readers"] = os.path.relpath(
-        write_pairs(os.path.join(ROOT, eval_dir), base, trained, seed, os.path.join(ROOT, f"{eval_dir}-blind")), ROOT)
+    figures["pairs_for_readers"] = os.path.relpath(blind, ROOT)
     curve = os.path.join(ROOT, run_dir, "reward_curve.png")
     if args.pictures and os.path.isfile(curve):
         shutil.copyfile(curve, os.path.join(args.pictures, f"learning_s{seed}.png"))
@@ -262,8 +297,8 @@ def main(argv=None) -> int:
     record["fingerprint"] = fp
     record.setdefault("seeds", {})
     for seed in seeds:
-        figures = measure(seed, args)
-        figures["commit"] = commit.strip() or None
+        figures = measure(seed, args, fp, commit.strip() or None)
+        figures["commit"] = made_under(os.path.join(ROOT, f"{args.runs}-s{seed}"))["commit"]  # trained at
         record["seeds"][str(seed)] = figures
         # the command that measures every seed on record (a seed measured alone joins the others)
         record["command"] = "python benchmarks/learning.py " + " ".join(f"--seed {s}" for s in sorted(

@@ -14,6 +14,7 @@ float32 read). On a GPU it is bfloat16 too, as evaluate.py loads models there.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -40,22 +41,33 @@ def reply_logprob(model, tok, before: list[dict], reply: str) -> float | None:
     return token_logprobs(model, x, torch.ones_like(x), positions=reply_positions)[0, len(prompt):].mean().item()
 
 
+def reader_problem(name: str) -> str | None:
+    """What stops --user-reader NAME before anything loads (one line naming the flag), or None:
+    train.py --print-config says it as a run would."""
+    if name == "tiny":
+        return "--user-reader tiny: a random model's vocabulary reads nothing (use none, or a real model such as smollm2)"
+    if name == "smollm2" and models.smollm2_missing():
+        return f"--user-reader smollm2: {models.smollm2_missing()}"
+    if name.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name)):
+        return f"--user-reader {name}: cannot load it (no model folder there)"
+    return None
+
+
 def load_reader(name: str):
     """--user-reader NAME -> reader(before, reply) -> float | None, or None for 'none'. The
     function has `.name` (recorded with the simulated user: evaluate.py's protocol, train.py's
     log). Raises ValueError (one line naming the flag) when NAME cannot be read."""
     if name in ("", "none"):
         return None
-    if name == "tiny":
-        raise ValueError("--user-reader tiny: a random model's vocabulary reads nothing (use none, or a real "
-                         "model such as smollm2)")
-    if name == "smollm2" and models.smollm2_missing():
-        raise ValueError(f"--user-reader smollm2: {models.smollm2_missing()}")
+    if reader_problem(name):
+        raise ValueError(reader_problem(name))
     try:
         model, tok = models.load_policy(name, 0, torch.bfloat16, "sdpa")
     except (OSError, ValueError) as e:
         raise ValueError(f"--user-reader {name}: cannot load it ({str(e).splitlines()[0][:200]})") from None
-    model.to("cuda" if torch.cuda.is_available() else "cpu").eval().requires_grad_(False)
+    # This process's own GPU under accelerate launch (LOCAL_RANK), loaded before the accelerator is made.
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    model.to(device).eval().requires_grad_(False)
     # One read at a time: token_logprobs swaps the model's LM head for the length of a call, and
     # the vLLM engine plays each dialogue in its own thread (rollout.play_dialogue).
     lock = threading.Lock()
