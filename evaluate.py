@@ -928,8 +928,10 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
         sys.stderr.write(f"evaluate.py: error: no dialogue of {', '.join(unscored)} was scored ({s['simulator_errors']} "
                          f"simulator errors, {s['unscored']} never appraised; {why}\n")
         return 1
-    scores = ", ".join(f"{label} {s['sentient_score']:.1f}" for label, s in summaries.items())
-    print(f"\ndone: {len(summaries)} rows (Sentient: {scores})\n  figures:     {os.path.join(args.output_dir, 'summary.json')}" + "".join(
+    scores = ", ".join(f"{label} " + ("n/a" if s["sentient_score"] is None else f"{s['sentient_score']:.1f}")
+                       for label, s in summaries.items())  # a --score row with no scored dialogue has none
+    print(f"\ndone: {len(summaries)} rows (Sentient: {scores})\n"
+          f"  figures:     {os.path.join(args.output_dir, 'summary.json')}" + "".join(
               f"\n  dialogues:   {os.path.join(args.output_dir, label, 'transcripts.jsonl')}" for label in labels) +
           f"\n  plot:        {os.path.join(args.output_dir, 'emotion_trajectories.png')}")
     return 0

@@ -82,9 +82,12 @@ def print_config(cfg, where: dict):
     as JSON, {flag: {"value", "from"}}, and exit 0. No model, reader or server is loaded."""
     from plumbing.backends import make_backend
     from plumbing.checks import InputError, validate
+    from plumbing.reader import reader_problem
     try:
         validate(cfg)
         make_backend(cfg, seed=cfg.seed)  # the simulator's flags, without loading the rule user's reader
+        if cfg.simulator == "rule" and reader_problem(cfg.user_reader):
+            raise InputError(reader_problem(cfg.user_reader))
     except (InputError, ValueError) as e:
         sys.stderr.write(f"train.py: error: {e}\n")
         raise SystemExit(2) from None

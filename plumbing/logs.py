@@ -229,8 +229,10 @@ def finish_run(cfg, out=None):
              f"  curves:      {png}" + ("" if os.path.isfile(png) else " (not drawn: no scored step)"),
              f"  logs:        {metrics}, {os.path.join(cfg.output_dir, 'samples.jsonl')}",
              f"  next:        python evaluate.py --model {cfg.model} --model {final} --eval-prompt train --judge none "
-             f"--scenarios data/scenarios_test.jsonl --max-turns {cfg.max_turns} --seed {cfg.seed} "
-             f"--output-dir eval/{os.path.basename(os.path.normpath(cfg.output_dir))}"]
+             f"--scenarios data/scenarios_test.jsonl --initial-emotion {cfg.initial_emotion} --max-turns "
+             f"{cfg.max_turns} --max-new-tokens {cfg.max_new_tokens} --seed {cfg.seed}"
+             + (f" --user-reader {cfg.user_reader}" if cfg.simulator == "rule" and cfg.user_reader != "none" else "")
+             + f" --output-dir eval/{os.path.basename(os.path.normpath(cfg.output_dir))}"]
     print("\n".join(lines), file=out or sys.stdout, flush=True)
 
 

@@ -1203,3 +1203,13 @@ def test_an_evaluation_that_starts_at_100_counts_success_after_a_reply(tmp_path,
     reached = [max(r["emotion_trace"][1:]) >= 100 for r in recs]
     s = json.load(open(tmp_path / "summary.json", encoding="utf-8"))["results"]["tiny"]
     assert s["success_rate"] == sum(reached) / len(recs) and not all(reached), [r["emotion_trace"] for r in recs]
+
+
+def test_a_score_file_with_no_scored_dialogue_ends_with_its_summary_not_a_traceback(tmp_path, capsys):
+    """The closing summary prints each row's Sentient score; a --score file whose dialogues all
+    failed has none (None), which the summary says as n/a instead of raising a TypeError."""
+    path = tmp_path / "failed.jsonl"
+    path.write_text(json.dumps({"scenario_id": "p0", "emotion": 30, "outcome": "simulator_error", "turns": 0,
+                                "emotion_trace": [30], "valid": False}) + "\n")
+    main(["--score", str(path), "--judge", "none", "--output-dir", str(tmp_path / "o")])
+    assert "done: 1 rows (Sentient: failed n/a)" in capsys.readouterr().out

@@ -706,5 +706,15 @@ def test_a_run_ends_with_what_it_learned_where_it_went_and_what_to_try_next(tmp_
     assert f"final model: {out / 'final'}" in text and f"curves:      {out / 'reward_curve.png'}\n" in text
     assert f"logs:        {out / 'metrics.jsonl'}, {out / 'samples.jsonl'}" in text
     assert (f"next:        python evaluate.py --model tiny --model {out / 'final'} --eval-prompt train --judge none "
-            f"--scenarios data/scenarios_test.jsonl --max-turns 4 --seed 0 --output-dir eval/run") in text
+            f"--scenarios data/scenarios_test.jsonl --initial-emotion 30 --max-turns 4 --max-new-tokens 24 --seed 0 "
+            f"--output-dir eval/run") in text
     assert (out / "final").is_dir() and (out / "reward_curve.png").is_file()
+
+
+def test_print_config_refuses_a_reader_the_run_would_refuse(capsys, tmp_path):
+    """--print-config checks --user-reader as the run does, without loading it."""
+    from train import main
+    for reader, why in [("tiny", "a random model's vocabulary reads nothing"), ("./nope", "cannot load it")]:
+        with pytest.raises(SystemExit) as stop:
+            main(["--preset", "tiny", "--user-reader", reader, "--output-dir", str(tmp_path), "--print-config"])
+        assert stop.value.code == 2 and f"train.py: error: --user-reader {reader}: {why}" in capsys.readouterr().err
