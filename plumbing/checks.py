@@ -144,9 +144,20 @@ FLOAT_RANGES = {  # flag's name: (lowest, highest, the interval's brackets: "(" 
 }
 
 
+# Integer flags not checked elsewhere (validate: the counts >= 1; plumbing.lora: the rank;
+# plumbing.engines: vLLM's length): the seed within numpy's 32 bits whatever rank each process adds
+# to it (set_seed(device_specific=True)), and warmup steps that cannot turn the learning rate negative.
+INT_RANGES = {"seed": (0, 2 ** 31 - 1), "warmup_steps": (0, 10 ** 9)}
+
+
 def check_floats(args):
     """InputError naming the first float flag of `args` (a dataclass or argparse namespace)
-    outside FLOAT_RANGES (NaN and infinities are outside every range)."""
+    outside FLOAT_RANGES (NaN and infinities are outside every range), then the first integer
+    flag outside INT_RANGES."""
+    for name, (lo, hi) in INT_RANGES.items():
+        value = getattr(args, name, None)
+        if value is not None and not lo <= value <= hi:
+            raise InputError(f"--{name.replace('_', '-')} {value}: must be an integer in [{lo}, {hi}]")
     for name, (lo, hi, brackets) in FLOAT_RANGES.items():
         value = getattr(args, name, None)
         if value is None:  # not a flag of this script

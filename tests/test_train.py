@@ -718,3 +718,17 @@ def test_print_config_refuses_a_reader_the_run_would_refuse(capsys, tmp_path):
         with pytest.raises(SystemExit) as stop:
             main(["--preset", "tiny", "--user-reader", reader, "--output-dir", str(tmp_path), "--print-config"])
         assert stop.value.code == 2 and f"train.py: error: --user-reader {reader}: {why}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--seed", "-1"), ("--seed", "4294967296"), ("--warmup-steps", "-2")])
+def test_an_integer_flag_out_of_range_is_one_line(flag, value, tmp_path, capsys):
+    """--warmup-steps -2 trained with a negative learning rate and exited 0; --seed -1 or 2**32 ended
+    in numpy's traceback (each process adds its rank to the seed). Now one line, exit 2, before any
+    model loads, in train.py and evaluate.py alike (plumbing.checks.INT_RANGES)."""
+    import evaluate
+    from train import main
+    assert main(["--preset", "tiny", flag, value, "--output-dir", str(tmp_path / "t")]) == 2
+    assert f"train.py: error: {flag} {value}: must be an integer in [0, " in capsys.readouterr().err
+    if flag == "--seed":
+        assert evaluate.main(["--model", "tiny", flag, value, "--output-dir", str(tmp_path / "e")]) == 2
+        assert f"evaluate.py: error: {flag} {value}: must be an integer in [0, " in capsys.readouterr().err
