@@ -48,29 +48,29 @@ def parse_config(config_cls, presets: dict, algo_defaults: dict, preset_ppo: dic
     show = values.pop("print_config")
     cfg = config_cls(**values)
     if show:
-        print_config(cfg, sources(parser, argv, presets, algo_defaults, preset_ppo))
+        print_config(cfg, sources(parser, argv, values, presets, algo_defaults, preset_ppo))
     return cfg
 
 
-def sources(parser, argv, presets: dict, algo_defaults: dict, preset_ppo: dict) -> dict:
-    """Where each value of a parsed command line came from: flag | preset | preset with ppo |
-    algorithm | default (a flag given beats everything; the paper preset's per-turn rows follow --think)."""
+def sources(parser, argv, values: dict, presets: dict, algo_defaults: dict, preset_ppo: dict) -> dict:
+    """Where each of the parsed `values` came from: flag | preset | preset with ppo | algorithm |
+    default (a flag given beats everything; the paper preset's per-turn rows follow --think)."""
     argv = sys.argv[1:] if argv is None else argv
     given = {parser._option_string_actions[a.split("=")[0]].dest for a in argv
              if a.startswith("--") and a.split("=")[0] in parser._option_string_actions}
-    cfg = parser.parse_args(argv)
+    preset, algo = values["preset"], values["algo"]
     out = {}
-    for f in vars(cfg):
+    for f in values:
         if f in given:
             out[f] = "flag"
-        elif cfg.preset == "paper" and f == "per_turn_samples":
+        elif preset == "paper" and f == "per_turn_samples":
             out[f] = "preset paper (follows --think)"
-        elif cfg.algo == "ppo" and f in preset_ppo.get(cfg.preset, {}):
-            out[f] = f"preset {cfg.preset} with ppo"
-        elif f in presets[cfg.preset]:
-            out[f] = f"preset {cfg.preset}"
-        elif f in algo_defaults[cfg.algo]:
-            out[f] = f"algorithm {cfg.algo}"
+        elif algo == "ppo" and f in preset_ppo.get(preset, {}):
+            out[f] = f"preset {preset} with ppo"
+        elif f in presets[preset]:
+            out[f] = f"preset {preset}"
+        elif f in algo_defaults[algo]:
+            out[f] = f"algorithm {algo}"
         else:
             out[f] = "default"
     return out
