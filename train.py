@@ -130,12 +130,12 @@ VLLM_IF_INSTALLED = "vllm" if importlib.util.find_spec("vllm") else "hf"
 PRESETS = {
     "tiny": {},  # the dataclass defaults: sized for a 2-core CPU, no think (add --think)
     # SmolLM2-135M-Instruct against the offline rule user, which reads each reply with a frozen
-    # SmolLM2 (user_reader: word salad earns no care), sized for 45 minutes on 2 CPU cores
-    # (docs/LEARNING.md, "Why these values"); generating with vLLM where it is installed (the
-    # cheaper step), else with generate.
+    # SmolLM2 (user_reader: word salad earns no care), held near its own language by a KL to the
+    # model it started from, sized for 45 minutes on 2 CPU cores (docs/LEARNING.md, "Why these
+    # values"); generating with vLLM where it is installed (the cheaper step), else with generate.
     "smollm2-cpu": dict(model="smollm2", engine=VLLM_IF_INSTALLED, steps=80, batch_size=4, max_turns=3,
                         max_new_tokens=40, actor_lr=1e-4, actor_warmup_ratio=0.1, critic_lr=1e-4, save_every=20,
-                        user_reader="smollm2"),
+                        user_reader="smollm2", kl_coef=0.1),
     "paper": dict(model="Qwen/Qwen2.5-7B-Instruct", think=True, simulator="openai", steps=1000, batch_size=32,
                   max_new_tokens=512, max_total_tokens=8192, actor_lr=1e-6, critic_lr=5e-6, actor_warmup_ratio=0.02,
                   critic_warmup_ratio=0.05, entropy_coef=1e-3, micro_batch_size=2, gradient_checkpointing=True,
