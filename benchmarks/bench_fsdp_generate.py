@@ -7,7 +7,8 @@ Both modes are train.py's own code path, `run_rollout`: without a generation cop
 the sharded model (`generation_mode`: synced_gpus; a process whose dialogues ended joins with
 dummy forward passes, `any_process_active`), with one (`make_generation_copy`) it all-gathers the
 weights once (`refresh_generation_copy`), then generates with no collectives. Each round plays
-the same scenarios with the same seed in both modes (interleaved, medians over rounds). Collectives are counted with the profiler (every gloo
+the same scenarios with the same seed in both modes (interleaved, medians over rounds). Collectives are
+counted with the profiler (every gloo
 operation on either path: FSDP's all-gathers, DTensor's, synced_gpus' all-reduces). Printed by
 the main process: seconds per rollout, the ratio sharded / copy, and collectives per rollout.
 On one CPU the collectives are cheap (loopback); on a GPU node each of FSDP's per-step
@@ -28,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-import report  # noqa: E402
+import report  # noqa: E402 (after sys.path)
 
 
 def count_collectives(fn):
@@ -44,6 +45,7 @@ def worker(args):
     import torch
     from accelerate import Accelerator
     from accelerate.utils import gather_object
+
     from plumbing.distributed import make_generation_copy, run_rollout
     from plumbing.models import make_tiny_policy
     from plumbing.scenarios import load_scenarios
@@ -92,7 +94,8 @@ def worker(args):
         ts, tc = statistics.median(times["sharded"]), statistics.median(times["copy"])
         print(f"model: hidden {args.hidden}, layers {args.layers}; per process {args.scenarios} scenarios x "
               f"{args.group}, {args.turns} turns, {args.new_tokens} new tokens; median of {args.rounds} rounds")
-        print(f"sharded generate : {ts:7.2f} s/rollout  collectives {colls['sharded']:6d}  agent tokens {toks['sharded']}")
+        print(f"sharded generate : {ts:7.2f} s/rollout  collectives {colls['sharded']:6d}  "
+              f"agent tokens {toks['sharded']}")
         print(f"gathered copy    : {tc:7.2f} s/rollout  collectives {colls['copy']:6d}  agent tokens {toks['copy']}")
         print(f"ratio sharded / copy: {ts / tc:.2f}x time, {colls['sharded'] / max(colls['copy'], 1):.0f}x collectives")
         results = {name: {"s_per_rollout": statistics.median(times[name]), "times_s": times[name],

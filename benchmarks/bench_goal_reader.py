@@ -25,11 +25,11 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE)]
 
-import report  # noqa: E402
-from plumbing.logs import fmt, reply_measures  # noqa: E402
-from plumbing.scenarios import jsonl_rows  # noqa: E402
-from rule_words import GOAL_WORDS  # noqa: E402
-from simulator import CHITCHAT_GOALS  # noqa: E402
+import report  # noqa: E402 (after sys.path)
+from plumbing.logs import fmt, reply_measures  # noqa: E402 (after sys.path)
+from plumbing.scenarios import jsonl_rows  # noqa: E402 (after sys.path)
+from rule_words import GOAL_WORDS  # noqa: E402 (after sys.path)
+from simulator import CHITCHAT_GOALS  # noqa: E402 (after sys.path)
 
 FIELDS = {"id": str, "model": str, "goal_type": str, "user_line": str, "reply": str, "serves": bool, "clash": bool}
 
@@ -68,8 +68,10 @@ def agreement(pairs: list[tuple[bool, bool]]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("labels", nargs="?", default=os.path.join(os.path.dirname(HERE), "data", "goal_reader_labels.jsonl"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("labels", nargs="?",
+                    default=os.path.join(os.path.dirname(HERE), "data", "goal_reader_labels.jsonl"))
     ap.add_argument("--by", choices=["goal_type", "model"], default="goal_type", help="one row for each of these")
     ap.add_argument("--show", action="store_true", help="print each reply where the cues and the reader differ")
     ap.add_argument("--json", default="", help="write the figures here")
@@ -96,19 +98,21 @@ def main(argv=None) -> int:
                           if two else None,
                           "readers_clash": agreement([(r["clash"], b["clash"]) for r, b in two]) if two else None}
     print(f"{args.by.replace('_', ' '):16} {'replies':>7} | fit: {'reader':>6} {'cues':>4} {'both':>4} {'recall':>6} "
-          f"{'precision':>9} {'kappa':>5} | clash: {'reader':>6} {'cues':>4} {'both':>4} {'kappa':>5} | readers' kappa: "
-          f"fit, clash")
+          f"{'precision':>9} {'kappa':>5} | clash: {'reader':>6} {'cues':>4} {'both':>4} {'kappa':>5} | "
+          f"readers' kappa: fit, clash")
     for group, r in results.items():
         fit, clash, two, two_clash = r["fit"], r["clash"], r["readers"], r["readers_clash"]
         print(f"{group:16} {fit['n']:7d} |      {fit['reader']:6d} {fit['other']:4d} {fit['both']:4d} "
-              f"{fmt(fit['recall'], '.2f'):>6} {fmt(fit['precision'], '.2f'):>9} {fmt(fit['kappa'], '+.2f'):>5} |        "
+              f"{fmt(fit['recall'], '.2f'):>6} {fmt(fit['precision'], '.2f'):>9} "
+              f"{fmt(fit['kappa'], '+.2f'):>5} |        "
               f"{clash['reader']:6d} {clash['other']:4d} {clash['both']:4d} {fmt(clash['kappa'], '+.2f'):>5} | "
               + (f"{fmt(two['kappa'], '+.2f')}, {fmt(two_clash['kappa'], '+.2f')} (n {two['n']}; second reader's fit "
                  f"{two['other']}, clash {two_clash['other']})" if two else "-"))
     if args.show:
         for r in rows:
             if r["reader_fit"] != r["cue_fit"]:
-                print(f"{'reader' if r['reader_fit'] else 'cues':6} {r['model']:8} {r['goal_type']:15} {r['reply'][:150]!r}")
+                print(f"{'reader' if r['reader_fit'] else 'cues':6} {r['model']:8} {r['goal_type']:15} "
+                      f"{r['reply'][:150]!r}")
     print(f"fit: serves the goal with no clash; recall: of the reader's, found by the cues; precision: of the "
           f"cues', the reader's too; {report.command()}")
     return report.finish(args.json, results, {})

@@ -33,15 +33,15 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE)]
 
-import torch  # noqa: E402
+import torch  # noqa: E402 (after sys.path)
 
-import report  # noqa: E402
-from evaluate import load_transcripts  # noqa: E402
-from grpo import group_advantages  # noqa: E402
-from plumbing.logs import AGENT_ROLES, fmt, reply_measures  # noqa: E402
-from plumbing.scenarios import json_line, load_scenarios  # noqa: E402
-from rule_user import RuleBackend  # noqa: E402
-from simulator import USERS, UserState  # noqa: E402
+import report  # noqa: E402 (after sys.path)
+from evaluate import load_transcripts  # noqa: E402 (after sys.path)
+from grpo import group_advantages  # noqa: E402 (after sys.path)
+from plumbing.logs import AGENT_ROLES, fmt, reply_measures  # noqa: E402 (after sys.path)
+from plumbing.scenarios import json_line, load_scenarios  # noqa: E402 (after sys.path)
+from rule_user import RuleBackend  # noqa: E402 (after sys.path)
+from simulator import USERS, UserState  # noqa: E402 (after sys.path)
 
 
 def expected_change(user: RuleBackend, state: UserState) -> float:
@@ -82,7 +82,8 @@ def protocol_of(path: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("transcripts", nargs="+", help="transcripts.jsonl files of evaluate.py: one model, one per seed")
     ap.add_argument("--scenarios", default=os.path.join(os.path.dirname(HERE), "data", "scenarios_train.jsonl"))
     ap.add_argument("--json", default="", help="write the figures here")
@@ -130,7 +131,8 @@ def main(argv=None) -> int:
         adv = [r["advantage"] / sd for r in serving]
         replies = sum(r["replies"] for r in mine)
         results[goal] = {"replies": replies, "goal_fit": sum(r["serving"] for r in mine) / replies if replies else None,
-                         "groups": len({r["group"] for r in mine}), "groups_serving": len({r["group"] for r in serving}),
+                         "groups": len({r["group"] for r in mine}),
+                         "groups_serving": len({r["group"] for r in serving}),
                          "dialogues_serving": len(serving),
                          "advantage_sd": statistics.mean(adv) if adv else None,
                          "advantage_se": statistics.stdev(adv) / len(adv) ** 0.5 if len(adv) > 1 else None,

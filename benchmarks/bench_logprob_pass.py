@@ -25,10 +25,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-import torch  # noqa: E402
+import torch  # noqa: E402 (after sys.path)
 
-import report  # noqa: E402
-from logprobs import micro_batches, token_logprobs  # noqa: E402
+import report  # noqa: E402 (after sys.path)
+from logprobs import micro_batches, token_logprobs  # noqa: E402 (after sys.path)
 
 
 def model_for(size: str):

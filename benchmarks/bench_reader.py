@@ -28,10 +28,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE)]
 
-import report  # noqa: E402
-from plumbing import models  # noqa: E402
-from plumbing.reader import load_reader, reply_logprob  # noqa: E402
-from rule_user import RuleBackend  # noqa: E402
+import report  # noqa: E402 (after sys.path)
+from plumbing import models  # noqa: E402 (after sys.path)
+from plumbing.reader import load_reader, reply_logprob  # noqa: E402 (after sys.path)
+from rule_user import RuleBackend  # noqa: E402 (after sys.path)
 
 
 def main(argv=None) -> int:

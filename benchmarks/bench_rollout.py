@@ -41,15 +41,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
 
-import torch  # noqa: E402
+import torch  # noqa: E402 (after sys.path)
 
-import report  # noqa: E402
-from plumbing.backends import Asker, OpenAIBackend  # noqa: E402
-from plumbing.models import make_tiny_policy  # noqa: E402
-from plumbing.scenarios import load_scenarios  # noqa: E402
-from rollout import RolloutConfig, play_dialogue, rollout  # noqa: E402
-from rule_user import RuleBackend  # noqa: E402
-from simulator import Simulator  # noqa: E402
+import report  # noqa: E402 (after sys.path)
+from plumbing.backends import Asker, OpenAIBackend  # noqa: E402 (after sys.path)
+from plumbing.models import make_tiny_policy  # noqa: E402 (after sys.path)
+from plumbing.scenarios import load_scenarios  # noqa: E402 (after sys.path)
+from rollout import RolloutConfig, play_dialogue, rollout  # noqa: E402 (after sys.path)
+from rule_user import RuleBackend  # noqa: E402 (after sys.path)
+from simulator import Simulator  # noqa: E402 (after sys.path)
 
 
 @contextlib.contextmanager
@@ -224,7 +224,8 @@ def main():
             run_batch(args, model, tok, warm, None, engine)  # its first steps are slow (not timed)
         for B in args.batch:
             # Scenarios repeat to reach B; each copy gets its own id, the key of its chain.
-            scenarios = [dataclasses.replace(s, id=f"{s.id}#{k}") for k, s in enumerate((scen * (B // len(scen) + 1))[:B])]
+            scenarios = [dataclasses.replace(s, id=f"{s.id}#{k}")
+                         for k, s in enumerate((scen * (B // len(scen) + 1))[:B])]
             key = f"{name} B={B}"
             try:
                 if args.simulator == "rule":

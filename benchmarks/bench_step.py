@@ -29,8 +29,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE)]
 
-import report  # noqa: E402
-from plumbing.models import make_tiny_policy  # noqa: E402
+import report  # noqa: E402 (after sys.path)
+from plumbing.models import make_tiny_policy  # noqa: E402 (after sys.path)
 
 ROOT = os.path.dirname(HERE)
 # The old rule, for the separate pass: train.py imports needs_old_logprobs from update when it

@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT]
 
-import report  # noqa: E402
+import report  # noqa: E402 (after sys.path)
 
 PROMPT = "<|im_start|>assistant\n"
 GOOD = "abcdefghijklmnopqrstuvwxyz "
@@ -50,6 +50,7 @@ def qwen_config_policy(size: str, untie: bool = False):
     embedding; 7B (the paper's policy) does not: `untie` gives the untied variant."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
     from plumbing.models import make_tiny_policy, make_tiny_tokenizer
     if size == "tiny":
         return make_tiny_policy(seed=0)
@@ -77,7 +78,8 @@ def peak_reset():
     resident-set high-water mark (writing 5 to /proc/self/clear_refs resets VmHWM)."""
     import torch
     if torch.cuda.is_available():
-        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated() / 2**20
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")
@@ -90,7 +92,7 @@ def peak_since(base):
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() / 2**20 - base
     with open("/proc/self/status", encoding="ascii") as f:
-        hwm = next(int(l.split()[1]) for l in f if l.startswith("VmHWM"))
+        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
     return hwm / 1024 - base
 
 
@@ -136,6 +138,7 @@ def worker(args):
         return logprob_worker(args, model)
     if args.worker == "ours-grpo-lora":
         from types import SimpleNamespace
+
         from plumbing.lora import add_adapter
         model = add_adapter(model, SimpleNamespace(lora_rank=args.lora_rank, lora_alpha=0.0, lora_target_modules=""),
                             args.model_size)
@@ -145,10 +148,14 @@ def worker(args):
     times, gen_times, upd_times, tokens = [], [], [], []
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
+    def now() -> float:  # the clock once the device's queued work is done
+        sync()
+        return time.perf_counter()
+
     if args.worker in ("ours-grpo", "ours-ppo", "ours-grpo-lora"):
         from grpo import GRPOConfig, grpo_update
-        from ppo import PPOConfig, ValueModel, ppo_update
         from logprobs import add_logprobs
+        from ppo import PPOConfig, ValueModel, ppo_update
         from rollout import RolloutConfig, collate, generate_turn
         from update import needs_old_logprobs
         good = set(tok.encode(GOOD))
@@ -165,10 +172,11 @@ def worker(args):
             cfg = GRPOConfig(minibatch_size=args.prompts, group_size=args.group, micro_batch_size=args.micro)
 
         def step():
-            sync(); t0 = time.perf_counter()
+            t0 = now()
             outs = generate_turn(model, [prompt] * B, gen, tok.eos_token_id, tok.pad_token_id)
-            sync(); t1 = time.perf_counter()
-            rows = [(prompt + o, [0] * len(prompt) + [1] * len(o), sum(t in good for t in o) / args.length, n // args.group, n)
+            t1 = now()
+            rows = [(prompt + o, [0] * len(prompt) + [1] * len(o), sum(t in good for t in o) / args.length,
+                     n // args.group, n)
                     for n, o in enumerate(outs)]
             batch = collate(rows, tok.pad_token_id)
             if needs_old_logprobs(batch, cfg):  # else the update is one optimizer step
@@ -177,7 +185,7 @@ def worker(args):
                 ppo_update(model, critic, (opt, copt), batch, cfg)
             else:
                 grpo_update(model, opt, batch, cfg)
-            sync(); t2 = time.perf_counter()
+            t2 = now()
             return t2 - t0, t1 - t0, t2 - t1, int(batch.attention_mask.sum())
 
         base = rss_mb()
@@ -190,17 +198,18 @@ def worker(args):
     else:  # TRL
         from datasets import Dataset
         from transformers import TrainerCallback
-        from trl import GRPOConfig as TRLConfig, GRPOTrainer
+        from trl import GRPOConfig as TRLConfig
+        from trl import GRPOTrainer
 
         def reward(completions, **kw):
             return [sum(c in GOOD for c in text) / args.length for text in completions]
 
         class Timer(TrainerCallback):
             def on_step_begin(self, *a, **k):
-                sync(); self.t = time.perf_counter()
+                self.t = now()
 
             def on_step_end(self, *a, **k):
-                sync(); times.append(time.perf_counter() - self.t)
+                times.append(now() - self.t)
 
         out = tempfile.mkdtemp()
         tcfg = TRLConfig(output_dir=out, per_device_train_batch_size=B, num_generations=args.group,
@@ -271,13 +280,13 @@ def main():
                 continue  # lp-: memory is deterministic, one run of each is enough
             if w.startswith("trl"):
                 try:
-                    import trl  # noqa: F401
+                    import trl  # noqa: F401 (is it installed?)
                 except ImportError:
                     skipped[w] = "trl is not installed (pip install trl==1.16.0 to compare)"
                     print(f"{w}: skipped, {skipped[w]}")
                     continue
             p = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", w], capture_output=True, text=True)
-            line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if p.returncode or line is None:  # a failed round fails the configuration: no median of the rest
                 failed[w] = f"round {rnd + 1}: exit status {p.returncode}" + ("" if line else ", no result")
                 print(f"{w}: failed\n{p.stderr[-3000:]}")
@@ -292,24 +301,28 @@ def main():
             continue
         extra = ""
         if "mfu" in r:
-            extra = f"gen {r['gen_tokens_per_s']:.0f} tok/s, train {r['train_tokens_per_s']:.0f} tok/s, MFU {r['mfu'] or float('nan'):.1%}"
+            extra = (f"gen {r['gen_tokens_per_s']:.0f} tok/s, train {r['train_tokens_per_s']:.0f} tok/s, "
+                     f"MFU {r['mfu'] or float('nan'):.1%}")
         print(f"{w:<15} {r['step_s']:>8.3f} {r['peak_mb']:>9.0f} {r.get('gen_s', float('nan')):>7.3f} "
               f"{r.get('update_s', float('nan')):>9.3f}  {extra}")
     if "trl-grpo" in results and "ours-grpo" in results:
         o, t = results["ours-grpo"], results["trl-grpo"]
-        print(f"ours / TRL GRPO step time: {o['step_s'] / t['step_s']:.2f}   peak memory: {o['peak_mb'] / max(t['peak_mb'], 1e-9):.2f}")
+        print(f"ours / TRL GRPO step time: {o['step_s'] / t['step_s']:.2f}   "
+              f"peak memory: {o['peak_mb'] / max(t['peak_mb'], 1e-9):.2f}")
     if "ours-grpo-lora" in results and "ours-grpo" in results:
         lo, fu = results["ours-grpo-lora"], results["ours-grpo"]
         print(f"LoRA (rank {args.lora_rank}) / full fine-tuning, GRPO step time: {lo['step_s'] / fu['step_s']:.2f}   "
               f"update time: {lo['update_s'] / fu['update_s']:.2f}   peak memory: "
-              f"{lo['peak_mb'] / max(fu['peak_mb'], 1e-9):.2f}   trained parameters: {lo['trained']:,} of {lo['params']:,}")
+              f"{lo['peak_mb'] / max(fu['peak_mb'], 1e-9):.2f}   "
+              f"trained parameters: {lo['trained']:,} of {lo['params']:,}")
     if "lp-old" in results and "lp-new" in results:
         o, n = results["lp-old"], results["lp-new"]
         print(f"token_logprobs alone, one sequence, peak MB (s), before -> after: "
               f"no grad, {n['nograd_tokens']} tokens: {o['nograd_peak_mb']:.0f} -> {n['nograd_peak_mb']:.0f} "
               f"({o['nograd_s']:.2f} -> {n['nograd_s']:.2f} s); forward+backward, {n['grad_tokens']} tokens: "
               f"{o['grad_peak_mb']:.0f} -> {n['grad_peak_mb']:.0f} ({o['grad_s']:.2f} -> {n['grad_s']:.2f} s)")
-        print(f"token_logprobs peak memory, before / after: no grad {o['nograd_peak_mb'] / max(n['nograd_peak_mb'], 1e-9):.1f}x, "
+        print(f"token_logprobs peak memory, before / after: "
+              f"no grad {o['nograd_peak_mb'] / max(n['nograd_peak_mb'], 1e-9):.1f}x, "
               f"forward+backward {o['grad_peak_mb'] / max(n['grad_peak_mb'], 1e-9):.1f}x")
     raise SystemExit(report.finish(args.json, results, failed, skipped))
 

@@ -27,10 +27,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
 
-import report  # noqa: E402
-from plumbing.backends import OpenAIBackend, answer_schema  # noqa: E402
-from plumbing.scenarios import load_scenarios  # noqa: E402
-from simulator import UserState, appraisal_messages, parse_appraisal, parse_reply, reply_messages  # noqa: E402
+import report  # noqa: E402 (after sys.path)
+from plumbing.backends import OpenAIBackend, answer_schema  # noqa: E402 (after sys.path)
+from plumbing.scenarios import load_scenarios  # noqa: E402 (after sys.path)
+from simulator import UserState, appraisal_messages, parse_appraisal, parse_reply, reply_messages  # noqa: E402 (after sys.path)
 
 AGENT_REPLIES = ["That sounds really hard. What happened?", "ok", "You should just get over it.",
                  "It makes sense that you feel hurt. I'm here. What would help most right now?"]

@@ -41,9 +41,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from plumbing.logs import AGENT_ROLES  # noqa: E402
-from rule_user import RuleBackend, word_list  # noqa: E402
-from simulator import Scenario, UserState  # noqa: E402
+from plumbing.logs import AGENT_ROLES  # noqa: E402 (after sys.path)
+from rule_user import RuleBackend, word_list  # noqa: E402 (after sys.path)
+from simulator import Scenario, UserState  # noqa: E402 (after sys.path)
 
 PRESET = "smollm2-cpu"
 # The held-out protocol: the training one (start at 30, 3 turns, 40 tokens, temperature 1), seed 0 for every run.
@@ -92,8 +92,8 @@ def fingerprint(config: dict | None = None) -> dict:
                           personality_type=personality)
             first = [{"role": "user", "content": r["user_line"]}, {"role": "assistant", "content": r["reply"]}]
             earlier = rows[k - 1]  # a second turn after another reply: echo and words said before count
-            second = [{"role": "user", "content": earlier["user_line"]}, {"role": "assistant", "content": earlier["reply"]},
-                      *first]
+            second = [{"role": "user", "content": earlier["user_line"]},
+                      {"role": "assistant", "content": earlier["reply"]}, *first]
             for history in (first, second):
                 st = UserState(scenario=sc, emotion=50, history=history)
                 seen.append(round(user.expected_change(st, r["reply"])[0], 3))

@@ -486,7 +486,8 @@ class OpenAIBackend:
         try:
             self.client.with_options(timeout=timeout, max_retries=0).models.list()
         except openai.APIConnectionError as e:
-            raise ConnectionError(self._redact(f"{self.flag.lstrip('-')} endpoint {self.base_url} is unreachable: {e}")) from None
+            raise ConnectionError(self._redact(f"{self.flag.lstrip('-')} endpoint {self.base_url} is unreachable: "
+                                               f"{e}")) from None
         except openai.APIStatusError as e:
             if e.status_code in (401, 403):
                 raise EndpointError(self._endpoint_problem(e.status_code)) from None

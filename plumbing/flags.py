@@ -102,7 +102,8 @@ def default_note(action, presets: dict, algo_defaults: dict, preset_ppo: dict) -
     default = "data/scenarios_train.jsonl" if name == "scenarios" else action.default
     notes = [f"default: {default}" if default != "" else "default: empty"]
     if name in algo_defaults["grpo"]:
-        notes = ["default: " + ", ".join(f"{values[name]} with --algo {algo}" for algo, values in algo_defaults.items())]
+        notes = ["default: " + ", ".join(f"{values[name]} with --algo {algo}"
+                                         for algo, values in algo_defaults.items())]
     for preset in presets:
         if name in presets[preset]:
             notes.append(f"{preset} preset: {presets[preset][name]}")

@@ -17,10 +17,10 @@ import time
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402 (after matplotlib.use)
 
-from plumbing.files import append_line  # noqa: E402
-from rule_user import RuleBackend, content_words, ends_sentence, questions, word_list  # noqa: E402
+from plumbing.files import append_line  # noqa: E402 (after matplotlib.use)
+from rule_user import RuleBackend, content_words, ends_sentence, questions, word_list  # noqa: E402 (after matplotlib.use)
 
 log = logging.getLogger("train")
 

@@ -20,8 +20,7 @@ import os
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import is_flash_attn_2_available
 
 from plumbing.files import written_atomically
@@ -39,7 +38,8 @@ def pick_attn_implementation() -> str:
 TINY_CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{- '\\n' }}"
     "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -126,8 +126,8 @@ def _tiny_pre_tokenizer():
     """Split at white space, then into words (apostrophes kept: "I'm"), numbers and single
     other characters. White space is not a token: decoding puts one space between words and
     none before punctuation (the WordPiece decoder's clean-up)."""
-    return pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                    pre_tokenizers.Split(Regex("[A-Za-z']+|[0-9]+|[^A-Za-z0-9']"), behavior="isolated")])
+    words = pre_tokenizers.Split(Regex("[A-Za-z']+|[0-9]+|[^A-Za-z0-9']"), behavior="isolated")
+    return pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), words])
 
 
 def make_tiny_word_tokenizer():

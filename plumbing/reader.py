@@ -45,7 +45,8 @@ def reader_problem(name: str) -> str | None:
     """What stops --user-reader NAME before anything loads (one line naming the flag), or None:
     train.py --print-config says it as a run would."""
     if name == "tiny":
-        return "--user-reader tiny: a random model's vocabulary reads nothing (use none, or a real model such as smollm2)"
+        return ("--user-reader tiny: a random model's vocabulary reads nothing "
+                "(use none, or a real model such as smollm2)")
     if name == "smollm2" and models.smollm2_missing():
         return f"--user-reader smollm2: {models.smollm2_missing()}"
     if name.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name)):

@@ -3,9 +3,9 @@ fraction of the sampled tokens that are lowercase letters or spaces (about 10% a
 import torch
 
 from grpo import GRPOConfig, grpo_update
-from ppo import PPOConfig, ValueModel, ppo_update
 from logprobs import add_logprobs
 from plumbing.models import make_tiny_policy
+from ppo import PPOConfig, ValueModel, ppo_update
 from rollout import RolloutConfig as GenConfig
 from rollout import collate, generate_turn
 

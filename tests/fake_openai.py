@@ -3,7 +3,8 @@ benchmarks. It plays a trivial simulated user and can inject faults per request:
 "500", "429", "timeout" (sleeps past the client's timeout), "garbage" (unparseable content),
 "blank" (empty content), "badbody" (HTTP 200 with a body that is not JSON), "nan" / "inf" (an
 appraisal whose change is the JSON literal NaN / Infinity), "list" / "number" (`content` that is
-a list of parts / a number, not a string), "deep" (JSON nested 100k levels deep), and what real servers sometimes send: "surrogate" (every
+a list of parts / a number, not a string), "deep" (JSON nested 100k levels deep), and what real servers
+sometimes send: "surrogate" (every
 string of the answer's JSON holds a lone surrogate escape, \\ud83d: valid JSON, not UTF-8 text),
 "surrogate_raw" (the content string itself holds one), "length" (an appraisal cut off mid-JSON,
 finish_reason "length", its prose saying "change: -8"), "400" (a 400 that is not about JSON
@@ -161,7 +162,8 @@ class FakeOpenAIServer:
                     if fault == "400":
                         return self._send(400, b'{"error": {"message": "maximum context length exceeded"}}')
                     if fault == "echo_key":
-                        echo = json.dumps({"error": {"message": f"bad request from {self.headers.get('Authorization')}"}})
+                        echo = json.dumps(
+                            {"error": {"message": f"bad request from {self.headers.get('Authorization')}"}})
                         return self._send(500, echo.encode())
                     content = _CONTENT[fault] if fault in _CONTENT else server.responder(req["messages"])
                     if fault == "surrogate":  # an escape in the JSON text: "\\ud83d"

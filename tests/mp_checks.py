@@ -25,17 +25,17 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from accelerate import Accelerator  # noqa: E402
+from accelerate import Accelerator  # noqa: E402 (after sys.path)
 
-from grpo import GRPOConfig, grpo_update  # noqa: E402
-from ppo import PPOConfig, ValueModel, ppo_update  # noqa: E402
-import plumbing.distributed as train  # noqa: E402
-from plumbing.checkpoints import save_final  # noqa: E402
-from plumbing.distributed import pad_rows  # noqa: E402
-from plumbing.lora import add_adapter  # noqa: E402
-from plumbing.models import make_tiny_policy  # noqa: E402
-from rollout import RolloutConfig as GenConfig  # noqa: E402
-from rollout import collate, end_of_turn_id, generate_turn  # noqa: E402
+import plumbing.distributed as train  # noqa: E402 (after sys.path)
+from grpo import GRPOConfig, grpo_update  # noqa: E402 (after sys.path)
+from plumbing.checkpoints import save_final  # noqa: E402 (after sys.path)
+from plumbing.distributed import pad_rows  # noqa: E402 (after sys.path)
+from plumbing.lora import add_adapter  # noqa: E402 (after sys.path)
+from plumbing.models import make_tiny_policy  # noqa: E402 (after sys.path)
+from ppo import PPOConfig, ValueModel, ppo_update  # noqa: E402 (after sys.path)
+from rollout import RolloutConfig as GenConfig  # noqa: E402 (after sys.path)
+from rollout import collate, end_of_turn_id, generate_turn  # noqa: E402 (after sys.path)
 
 
 class Capture(torch.optim.SGD):

@@ -13,8 +13,8 @@ import torch
 from accelerate import Accelerator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from plumbing.engines import EngineArgs, VLLMEngine  # noqa: E402
-from plumbing.models import make_tiny_policy  # noqa: E402
+from plumbing.engines import EngineArgs, VLLMEngine  # noqa: E402 (after sys.path)
+from plumbing.models import make_tiny_policy  # noqa: E402 (after sys.path)
 
 
 def main(out):

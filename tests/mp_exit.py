@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from plumbing.distributed import end_training, release_kept_groups  # noqa: E402
+from plumbing.distributed import end_training, release_kept_groups  # noqa: E402 (after sys.path)
 
 ROUNDS = 15
 

@@ -9,13 +9,13 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+import torch  # noqa: E402 (after sys.path)
+from torch.distributed.tensor import DTensor  # noqa: E402 (after sys.path)
 
-from plumbing.distributed import make_accelerator, make_generation_copy, refresh_generation_copy  # noqa: E402
-from plumbing.engines import VLLMEngine  # noqa: E402
-from plumbing.models import make_tiny_policy  # noqa: E402
-from train import parse_args  # noqa: E402
+from plumbing.distributed import make_accelerator, make_generation_copy, refresh_generation_copy  # noqa: E402 (after sys.path)
+from plumbing.engines import VLLMEngine  # noqa: E402 (after sys.path)
+from plumbing.models import make_tiny_policy  # noqa: E402 (after sys.path)
+from train import parse_args  # noqa: E402 (after sys.path)
 
 
 def main(out):

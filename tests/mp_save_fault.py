@@ -24,6 +24,6 @@ elif os.environ.get("RANK") == "1":
     Accelerator.save_state = full_disk
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import train  # noqa: E402
+import train  # noqa: E402 (after sys.path)
 
 raise SystemExit(train.main(sys.argv[1:]))

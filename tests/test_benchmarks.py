@@ -171,8 +171,10 @@ def test_bench_goal_signal_toy(tmp_path, monkeypatch):
         for sid, replies in plays.items():
             history = [{"role": "user", "content": scen[sid].first_message}]
             for k, reply in enumerate(replies[seed]):
-                history += ([{"role": "user", "content": line}] if k else []) + [{"role": "assistant", "content": reply}]
-            rows.append(json.dumps({"scenario_id": sid, "model": "m", "emotion": 30, "valid": True, "outcome": "max_turns",
+                history += ([{"role": "user", "content": line}] if k else []) + \
+                    [{"role": "assistant", "content": reply}]
+            rows.append(json.dumps({"scenario_id": sid, "model": "m", "emotion": 30, "valid": True,
+                                    "outcome": "max_turns",
                                     "history": history + [{"role": "user", "content": line}]}) + "\n")
         path.write_text("".join(rows))
         files.append(str(path))
@@ -197,7 +199,8 @@ def test_bench_goal_signal_toy(tmp_path, monkeypatch):
     assert (advice["replies"], advice["goal_fit"], advice["groups"], advice["dialogues_serving"]) == (4, 0.25, 1, 1)
     assert res["results"]["venting"]["advantage_sd"] is None and res["results"]["all"]["replies"] == 8
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its report module
-    spec = importlib.util.spec_from_file_location("bench_goal_signal", os.path.join(ROOT, "benchmarks", "bench_goal_signal.py"))
+    spec = importlib.util.spec_from_file_location("bench_goal_signal",
+                                                  os.path.join(ROOT, "benchmarks", "bench_goal_signal.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # the refusals in this process: two more subprocesses cost 20 s of CI
     assert module.main([files[0], "--json", str(tmp_path / "one.json")]) == 1
@@ -235,7 +238,8 @@ def test_bench_goal_reader_toy(tmp_path, monkeypatch):
                             for k, (m, g, reply, s, c, two) in enumerate(rows)))
     rc, out, log, res = bench(tmp_path, "bench_goal_reader.py", str(path), "--show")
     assert rc == 0, log[-3000:]
-    fit, clash, readers, readers_clash = (res["results"]["all"][k] for k in ("fit", "clash", "readers", "readers_clash"))
+    fit, clash, readers, readers_clash = (res["results"]["all"][k]
+                                          for k in ("fit", "clash", "readers", "readers_clash"))
     # fit, (reader, cues): (T,T) (T,F) (F,T) (F,F) (F,F) (F,T): agree 3 of 6, chance (2*3 + 4*3)/36
     assert (fit["n"], fit["reader"], fit["other"], fit["both"]) == (6, 2, 3, 1)
     assert (fit["recall"], fit["precision"]) == (0.5, pytest.approx(1 / 3))
@@ -254,10 +258,12 @@ def test_bench_goal_reader_toy(tmp_path, monkeypatch):
     assert [res["results"]["a"]["fit"][k] for k in ("reader", "other", "both")] == [2, 2, 1]
     assert res["results"]["b"]["readers"]["n"] == 1
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its report module
-    spec = importlib.util.spec_from_file_location("bench_goal_reader", os.path.join(ROOT, "benchmarks", "bench_goal_reader.py"))
+    spec = importlib.util.spec_from_file_location("bench_goal_reader",
+                                                  os.path.join(ROOT, "benchmarks", "bench_goal_reader.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # the refusals in this process
-    for bad, why in [({"id": "x", "model": "a", "goal_type": "advice"}, r"7: missing or mistyped user_line, reply, serves"),
+    for bad, why in [({"id": "x", "model": "a", "goal_type": "advice"},
+                      r"7: missing or mistyped user_line, reply, serves"),
                      ([1], "7: not a JSON object"),
                      ({"id": "x", "model": "a", "goal_type": "gardening", "user_line": "", "reply": "", "serves": True,
                        "clash": False}, "7: unknown goal type 'gardening'"),
@@ -284,17 +290,20 @@ def test_bench_reader_toy(tmp_path):
     if smollm2_missing():
         pytest.skip(smollm2_missing())
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({"step": k, "step_time": t}) + "\n" for k, t in enumerate((20.0, 30.0, 40.0))))
+    metrics.write_text("".join(json.dumps({"step": k, "step_time": t}) + "\n"
+                               for k, t in enumerate((20.0, 30.0, 40.0))))
     transcripts = tmp_path / "transcripts.jsonl"  # two replies answer a user's line; the first line is the agent's
     transcripts.write_text(json.dumps({"history": [
         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "They cut my hours."},
         {"role": "assistant", "content": "That sounds hard. How are you holding up?"},
-        {"role": "user", "content": "Not great."}, {"role": "assistant", "content": "Hurtsome feel overwhelmingly?"}]}) + "\n")
+        {"role": "user", "content": "Not great."},
+        {"role": "assistant", "content": "Hurtsome feel overwhelmingly?"}]}) + "\n")
     rc, out, log, res = bench(tmp_path, "bench_reader.py", "--replies", "3", "--metrics", str(metrics),
                               "--transcripts", str(transcripts))
     assert rc == 0, log[-3000:]
     r = res["results"]["smollm2"]
     seen = r["transcripts"][str(transcripts)]
     assert seen["replies"] == 2 and seen["p10"] <= seen["median"] and 0 <= seen["below_gate_top"] <= 2
-    assert r["replies"] == 3 and r["median_step_s"] == 30.0 and r["share_of_step"] == pytest.approx(r["seconds"] / 30, abs=1e-3)
+    assert r["replies"] == 3 and r["median_step_s"] == 30.0 and \
+        r["share_of_step"] == pytest.approx(r["seconds"] / 30, abs=1e-3)
     assert 0 <= r["max_abs_diff_fp32"] < 0.1 and "of a step" in out

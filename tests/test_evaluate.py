@@ -5,17 +5,20 @@ import os
 import pytest
 import torch
 
+from conftest import OFFICIAL_DATA, ROOT, bad_json_files
 from evaluate import format_table, load_transcripts, main, reply_stats, summarize
+from fake_openai import FakeOpenAIServer, varied_user
 from plumbing.backends import CachedBackend
-from fake_openai import FakeOpenAIServer
 
 HAND_MADE = [
     {"scenario_id": "a", "emotion": 100, "outcome": "success", "turns": 3, "emotion_trace": [40, 70, 90, 100],
      "reply_lengths": [10, 20, 30]},
-    {"scenario_id": "b", "emotion": 5, "outcome": "failure", "turns": 2, "emotion_trace": [40, 20, 5], "reply_lengths": [4, 6]},
+    {"scenario_id": "b", "emotion": 5, "outcome": "failure", "turns": 2, "emotion_trace": [40, 20, 5],
+     "reply_lengths": [4, 6]},
     {"scenario_id": "c", "emotion": 50, "outcome": "max_turns", "turns": 10, "emotion_trace": [40] * 10 + [50],
      "reply_lengths": [10] * 10},
-    {"scenario_id": "d", "emotion": 60, "outcome": "goodbye", "turns": 5, "emotion_trace": [40, 60], "reply_lengths": [50] * 5},
+    {"scenario_id": "d", "emotion": 60, "outcome": "goodbye", "turns": 5, "emotion_trace": [40, 60],
+     "reply_lengths": [50] * 5},
     {"scenario_id": "e", "emotion": 40, "outcome": "simulator_error", "turns": 0, "valid": False, "emotion_trace": [40],
      "reply_lengths": []},
     # Never appraised (the token budget stopped it before the first turn): no score, not an error.
@@ -170,8 +173,6 @@ def test_evaluation_ignores_the_checkpoints_generation_config(tmp_path, monkeypa
 
 
 # ---------------------------------------------------------------- issue 14: faults, reruns, bad input
-from conftest import OFFICIAL_DATA, ROOT, bad_json_files  # noqa: E402
-from fake_openai import varied_user  # noqa: E402
 
 SMALL = ["--model", "tiny", "--max-new-tokens", "8", "--max-turns", "2", "--batch-size", "4"]
 OPENAI = ["--simulator", "openai", "--simulator-model", "fake", "--simulator-timeout", "5"]
@@ -226,7 +227,7 @@ def test_never_appraised_dialogues_are_not_scored(tmp_path, capsys):
     s = json.load(open(tmp_path / "summary.json"))["results"]["tiny"]
     assert (s["scored"], s["unscored"], s["simulator_errors"], s["sentient_score"]) == (0, 2, 0, None)
     out, err = capsys.readouterr()
-    row = [l for l in out.splitlines() if l.startswith("tiny")][0].split()
+    row = [line for line in out.splitlines() if line.startswith("tiny")][0].split()
     assert row[1:3] == ["0", "-"]
     assert err.strip().splitlines()[-1] == ("evaluate.py: error: no dialogue of tiny was scored (0 simulator errors, 2 "
                                             "never appraised; no reply was appraised: play again with a larger "
@@ -397,6 +398,7 @@ def test_strategy_frequency_and_contribution_exact():
 def judge_server(messages):
     """A fake LLM judge: scores from a hash of the conversation; never-parseable for 'BROKEN'."""
     import hashlib
+
     from fake_openai import default_user
     system, convo = messages[0]["content"], messages[-1]["content"]
     if "BROKEN" in convo:
@@ -460,7 +462,8 @@ def test_tiny_run_with_rule_judge_and_score_of_judged_file(tmp_path, capsys):
     assert set(s["strategies"]["tiny"]) == {"validation", "reassurance", "questioning", "reflection", "reframing",
                                             "advice", "sharing"}
     assert os.path.getsize(out / "strategies.png") > 1000
-    assert main(["--score", str(out / "tiny" / "judged.jsonl"), "--judge", "none", "--output-dir", str(tmp_path / "s")]) == 0
+    assert main(["--score", str(out / "tiny" / "judged.jsonl"), "--judge", "none",
+                 "--output-dir", str(tmp_path / "s")]) == 0
     s2 = json.load(open(tmp_path / "s" / "summary.json"))
     for k in ("judged", "judge_errors", "empathic_depth", "style_adaptability"):
         assert s2["results"]["judged"][k] == s["results"]["tiny"][k]
@@ -589,6 +592,7 @@ def test_ctrl_c_is_one_line_saying_what_was_saved(tmp_path):
     import subprocess
     import sys
     import time
+
     from conftest import ROOT, interruptible
     with FakeOpenAIServer(latency=0.3) as srv:
         p = subprocess.Popen([sys.executable, os.path.join(ROOT, "evaluate.py"), *SMALL, "--batch-size", "1",
@@ -601,9 +605,10 @@ def test_ctrl_c_is_one_line_saying_what_was_saved(tmp_path):
             time.sleep(0.05)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
-    lines = [l for l in err.splitlines() if l.startswith("evaluate.py:")]
+    lines = [line for line in err.splitlines() if line.startswith("evaluate.py:")]
     assert p.returncode == 130 and "Traceback" not in err, err[-2000:]
-    assert len(lines) == 1 and lines[0].startswith("evaluate.py: interrupted; saved in") and "of 20 dialogues" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("evaluate.py: interrupted; saved in") and \
+        "of 20 dialogues" in lines[0]
 
 
 # ---------------------------------------------------------------- issue 29: SAGE's protocol and leaderboard
@@ -653,8 +658,8 @@ def test_our_run_is_ranked_among_a_leaderboard(tmp_path, capsys):
     for name, emo in (("a_result", 90), ("b_result", 5)):
         (board / f"{name}.jsonl").write_text("".join(json.dumps({"id": i, "emo_point": emo}) + "\n" for i in ids))
     scen = tmp_path / "s.jsonl"
-    scen.write_text("".join(l for l in open(os.path.join(ROOT, "data", "scenarios_test.jsonl")) if
-                            json.loads(l)["id"] in ids))
+    scen.write_text("".join(line for line in open(os.path.join(ROOT, "data", "scenarios_test.jsonl")) if
+                            json.loads(line)["id"] in ids))
     out = tmp_path / "out"
     assert main(SMALL + ["--leaderboard", str(board), "--scenarios", str(scen), "--judge", "none",
                          "--output-dir", str(out)]) == 0
@@ -777,7 +782,8 @@ def test_reply_fluency_is_the_mean_logprob_of_the_reply_tokens_under_the_reader(
     reader.eval()
     recs = [json.loads(line) for line in open(out / "tiny" / "transcripts.jsonl")]
     values = [v for r in recs for v in reply_fluency(reader, reader_tok, r["history"]) if v is not None]
-    assert json.load(open(out / "summary.json"))["reply_stats"]["tiny"]["fluency"] == pytest.approx(sum(values) / len(values))
+    assert json.load(open(out / "summary.json"))["reply_stats"]["tiny"]["fluency"] == \
+        pytest.approx(sum(values) / len(values))
 
 
 def test_a_fluency_reader_without_a_chat_template_is_refused_before_any_play(tmp_path, capsys):
@@ -946,7 +952,8 @@ def test_success_under_rlver_rules_and_the_tables_definition(tmp_path, capsys):
     assert "success: the emotion reached 100 after a reply (the dialogue goes on); failure: it ended at or below 0" \
            in out
     summary = json.load(open(tmp_path / "summary.json", encoding="utf-8"))
-    assert list(summary["protocol"]["outcomes"]) == ["rlver"] and summary["results"]["tiny"]["outcome_rules"] == ["rlver"]
+    assert list(summary["protocol"]["outcomes"]) == ["rlver"] and \
+        summary["results"]["tiny"]["outcome_rules"] == ["rlver"]
 
 
 def test_the_plots_show_every_value_they_are_given(tmp_path):
@@ -1176,7 +1183,8 @@ def test_text_files_are_opened_with_an_encoding():
         tree = ast.parse(open(path, encoding="utf-8").read())
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "open":
-                mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+                mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords
+                                                                     if k.arg == "mode"), None)
                 binary = isinstance(mode, ast.Constant) and "b" in mode.value
                 if not binary and not any(k.arg == "encoding" for k in node.keywords):
                     missing.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")

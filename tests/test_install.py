@@ -29,7 +29,8 @@ def test_the_cpu_installs_pin_the_torch_ci_tests():
         ci = f.read()
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    assert "pip install -q torch==2.13.0" in ci and "pip install torch==2.13.0 && pip install -r requirements.txt" in readme
+    assert "pip install -q torch==2.13.0" in ci and \
+        "pip install torch==2.13.0 && pip install -r requirements.txt" in readme
 
 
 def test_the_lesson_stays_within_its_budget():
@@ -44,9 +45,13 @@ def test_the_lesson_stays_within_its_budget():
     lines = {os.path.basename(f): len(open(f, encoding="utf-8").read().splitlines()) for f in path}
     assert sum(lines.values()) <= 2800, lines
     assert lines["simulator.py"] <= 600
+    long = [(os.path.basename(f), n) for f in path for n, line in enumerate(open(f, encoding="utf-8"), 1)
+            if len(line.rstrip("\n")) > 120]
+    assert not long, long  # the budget is met by simplifying, not by long lines
     code = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "plumbing", "*.py")) + \
         glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))
-    importers = [f for f in code if re.search(r"^\s*(import train\b|from train import)", open(f, encoding="utf-8").read(), re.M)]
+    importers = [f for f in code
+                 if re.search(r"^\s*(import train\b|from train import)", open(f, encoding="utf-8").read(), re.M)]
     assert not importers, importers
 
 
@@ -95,3 +100,17 @@ def test_the_house_has_no_import_circle_and_the_lesson_imports_no_plumbing():
     assert {"rule_user", "rule_words", "simulator", "rollout", "grpo", "ppo"} <= set(lesson)
     into = {n: [m for m in graph[n] if m.startswith("plumbing")] for n in lesson}
     assert not any(into.values()), into
+
+
+def test_ci_lints_the_tree_before_the_tests():
+    """pyproject.toml holds the linter's settings (pyflakes, pycodestyle's errors and warnings,
+    import order, at 120 characters, no rule ignored for the whole tree) and .ci/run runs it,
+    pinned, before the suite: a finding fails CI before any test runs."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        ruff = tomllib.load(f)["tool"]["ruff"]
+    assert ruff["line-length"] == 120 and set(ruff["lint"]["select"]) == {"F", "E", "W", "I"}
+    assert not ruff["lint"].get("ignore") and not ruff["lint"].get("per-file-ignores"), ruff["lint"]
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    assert "pip install -q ruff==" in ci and ci.index("\nruff check .\n") < ci.index("pytest")

@@ -12,9 +12,8 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from learning import fingerprint  # noqa: E402
-
-from plumbing.models import smollm2_missing  # noqa: E402
+from learning import fingerprint  # noqa: E402 (after sys.path)
+from plumbing.models import smollm2_missing  # noqa: E402 (after sys.path)
 
 RECORD = os.path.join(ROOT, "docs", "learning.json")
 needs_wheel = pytest.mark.skipif(smollm2_missing() is not None, reason=str(smollm2_missing()))  # the preset's model

@@ -43,7 +43,8 @@ def test_the_adapter_starts_at_the_base_and_only_it_trains():
     policy = add_adapter(copy.deepcopy(base), ARGS, "tiny")
     ids, am = ids_and_mask(tok)
     with torch.no_grad():
-        assert torch.equal(policy(input_ids=ids, attention_mask=am).logits, base(input_ids=ids, attention_mask=am).logits)
+        assert torch.equal(policy(input_ids=ids, attention_mask=am).logits,
+                           base(input_ids=ids, attention_mask=am).logits)
     trained = [n for n, p in policy.named_parameters() if p.requires_grad]
     assert trained and all("lora_A" in n or "lora_B" in n for n in trained)
     # every linear projection of attention and MLP, never the embeddings or the (tied) head
@@ -73,7 +74,7 @@ def test_kl_to_the_base_is_zero_at_step_zero(tmp_path):
     rc = main(["--algo", "grpo", "--steps", "2", *RUN, "--lora-rank", "4", "--kl-coef", "0.1",
                "--output-dir", str(tmp_path)])
     assert rc == 0
-    rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7), rows[0]["kl"]
     assert rows[1]["kl"] > 1e-6  # after an update, the policy has moved from the base
 
@@ -209,7 +210,8 @@ def test_train_refuses_an_adapter_folder_and_a_model_with_nothing_to_adapt(tmp_p
     from plumbing.checks import InputError
     policy, _ = adapted()
     save_adapter(policy, policy.state_dict(), str(tmp_path / "adapter"))
-    assert main(["--model", str(tmp_path / "adapter"), "--output-dir", str(tmp_path / "out"), "--report-to", "none"]) == 2
+    assert main(["--model", str(tmp_path / "adapter"), "--output-dir", str(tmp_path / "out"),
+                 "--report-to", "none"]) == 2
     assert "a LoRA adapter folder; train from its merged model" in capsys.readouterr().err
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     with pytest.raises(InputError, match="no linear projection"):

@@ -35,7 +35,7 @@ def launch_nodes(mode, nproc, *argv, local_dirs=None, audit=None, timeout=300, e
 
 
 def error_lines(log):
-    return [l[l.index("train.py: error:"):] for l in log.splitlines() if "train.py: error:" in l]
+    return [line[line.index("train.py: error:"):] for line in log.splitlines() if "train.py: error:" in line]
 
 
 def writers(audit, out):
@@ -73,8 +73,8 @@ def test_two_nodes_on_a_shared_output_dir_write_each_file_once_and_resume_exactl
     rc, log = launch_nodes(mode, nproc, *base, "--output-dir", str(full), audit=audit)
     assert rc == 0, log[-3000:]
     assert metric_steps(full) == [0, 1, 2, 3]
-    assert [json.loads(l)["step"] for l in open(full / "samples.jsonl")] == [0, 1, 2, 3]
-    rows = [json.loads(l) for l in open(full / "metrics.jsonl")]
+    assert [json.loads(line)["step"] for line in open(full / "samples.jsonl")] == [0, 1, 2, 3]
+    rows = [json.loads(line) for line in open(full / "metrics.jsonl")]
     assert all(r["dialogues"] == 4 * (2 if algo == "grpo" else 1) for r in rows)  # all 2 x nproc processes
     by_path, made_elsewhere = writers(audit, full)
     assert not made_elsewhere, made_elsewhere[:3]
@@ -109,8 +109,8 @@ def test_an_output_dir_on_each_nodes_own_disk_is_refused_at_start(tmp_path):
     lines = error_lines(log)
     assert rc == 2 and "Traceback" not in log, log[-3000:]
     assert len(lines) == 2, lines  # one per node (its first process)
-    assert all("--output-dir runs/x: node 1 does not see the files the main process (node 0" in l
-               and "a file system all nodes share" in l for l in lines), lines
+    assert all("--output-dir runs/x: node 1 does not see the files the main process (node 0" in line
+               and "a file system all nodes share" in line for line in lines), lines
     for k in (0, 1):
         left = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / f"node-{k}") for f in fs]
         assert not left, left
@@ -131,7 +131,7 @@ def test_a_second_launch_on_a_shared_output_dir_is_refused_on_every_node(tmp_pat
     rc, log = launch_nodes("ddp", 2, "train.py", *TINY, "--steps", "2", "--output-dir", str(tmp_path), timeout=120)
     lines = error_lines(log)
     assert rc == 2 and "Traceback" not in log, log[-3000:]
-    assert len(lines) == 2 and all(f"in use by another run (pid {os.getpid()})" in l for l in lines), lines
+    assert len(lines) == 2 and all(f"in use by another run (pid {os.getpid()})" in line for line in lines), lines
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -144,11 +144,11 @@ def test_a_failed_save_prints_each_nodes_own_resume_command(tmp_path):
     lines = error_lines(log)
     assert rc == 1 and "Traceback" not in log, log[-3000:]
     for k in (0, 1):
-        mine = [l for l in lines if f"cpu_launch.py --nnodes 2 --node-rank {k} --nproc 2 --mode ddp" in l]
-        assert mine and all("step_000001" in l and "continue with: python" in l and
-                            "-- tests/mp_save_fault.py --batch-size 4" in l and l.endswith("--resume auto (steps "
-                            "after the checkpoint are done again)") for l in mine), lines
-    assert any("No space left on device" in l for l in lines), lines
+        mine = [line for line in lines if f"cpu_launch.py --nnodes 2 --node-rank {k} --nproc 2 --mode ddp" in line]
+        assert mine and all("step_000001" in line and "continue with: python" in line and
+                            "-- tests/mp_save_fault.py --batch-size 4" in line and line.endswith("--resume auto (steps "
+                            "after the checkpoint are done again)") for line in mine), lines
+    assert any("No space left on device" in line for line in lines), lines
     assert not os.path.exists(tmp_path / "checkpoints" / "step_000001")
 
 
@@ -162,8 +162,8 @@ def test_a_checkpoint_the_main_process_cannot_publish_ends_every_node_in_one_lin
     lines = error_lines(log)
     assert rc == 1 and "Traceback" not in log, log[-3000:]
     assert len(lines) == 2, lines
-    assert any("Disk quota exceeded" in l and "--node-rank 0" in l for l in lines), lines
-    assert any("the main process could not publish it" in l and "--node-rank 1" in l for l in lines), lines
+    assert any("Disk quota exceeded" in line and "--node-rank 0" in line for line in lines), lines
+    assert any("the main process could not publish it" in line and "--node-rank 1" in line for line in lines), lines
     assert not os.path.exists(tmp_path / "checkpoints" / "step_000001")
 
 
@@ -174,7 +174,7 @@ def test_a_lock_file_one_rank_cannot_open_is_one_line_on_every_node(tmp_path):
     rc, log = launch_nodes("ddp", 1, "train.py", *TINY, "--steps", "1", "--output-dir", str(tmp_path), timeout=120)
     lines = error_lines(log)
     assert rc == 2 and "Traceback" not in log, log[-3000:]
-    assert len(lines) == 2 and all("cannot lock" in l and ".lock-1" in l for l in lines), lines
+    assert len(lines) == 2 and all("cannot lock" in line and ".lock-1" in line for line in lines), lines
 
 
 def test_a_final_model_the_main_process_cannot_write_ends_every_node_in_one_line(tmp_path):
@@ -185,7 +185,7 @@ def test_a_final_model_the_main_process_cannot_write_ends_every_node_in_one_line
     lines = error_lines(log)
     assert rc == 1 and "Traceback" not in log, log[-3000:]
     assert len(lines) == 2, lines
-    assert any("Disk quota exceeded" in l and "--node-rank 0" in l for l in lines), lines
-    assert any("the main process could not write it" in l and "--node-rank 1" in l for l in lines), lines
-    assert all("step_000001 (after step 1)" in l for l in lines), lines
+    assert any("Disk quota exceeded" in line and "--node-rank 0" in line for line in lines), lines
+    assert any("the main process could not write it" in line and "--node-rank 1" in line for line in lines), lines
+    assert all("step_000001 (after step 1)" in line for line in lines), lines
     assert not os.path.exists(tmp_path / "final")

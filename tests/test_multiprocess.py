@@ -71,7 +71,7 @@ def final_weights(d):
 
 
 def metric_steps(d):
-    return [json.loads(l)["step"] for l in open(os.path.join(d, "metrics.jsonl")) if l.strip()]
+    return [json.loads(line)["step"] for line in open(os.path.join(d, "metrics.jsonl")) if line.strip()]
 
 
 @pytest.mark.parametrize("mode,algo,extra", [
@@ -88,7 +88,7 @@ def test_train_resume_equals_uninterrupted(mode, algo, extra, tmp_path):
     rc, log = launch(mode, *base, "--output-dir", full)
     assert rc == 0, log[-3000:]
     assert metric_steps(full) == [0, 1, 2, 3]  # one row per step: the processes stayed in step
-    rows = [json.loads(l) for l in open(os.path.join(full, "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(full, "metrics.jsonl"))]
     assert all(r["dialogues"] == 4 * (2 if algo == "grpo" else 1) for r in rows)  # summed, not averaged
     # A minibatch is minibatch_size x group_size rows of the whole step: a row is a dialogue, or
     # with per-turn samples an agent turn (issue 29: as the official think mode counts them).
@@ -122,15 +122,16 @@ def test_a_checkpoint_one_process_cannot_write_ends_every_process_in_one_line(tm
     for the launcher to kill it. Now each says so, the checkpoint is not published."""
     rc, log = launch("ddp", "tests/mp_save_fault.py", *TINY, "--steps", "2", "--save-every", "1",
                      "--output-dir", str(tmp_path), timeout=200)
-    lines = [l[l.index("train.py: error:"):] for l in log.splitlines() if "train.py: error:" in l]
+    lines = [line[line.index("train.py: error:"):] for line in log.splitlines() if "train.py: error:" in line]
     assert rc == 1 and "Traceback" not in log, log[-3000:]
-    assert any("No space left on device" in l for l in lines), log[-3000:]
-    assert all("step_000001" in l and "continue with:" in l for l in lines), lines
+    assert any("No space left on device" in line for line in lines), log[-3000:]
+    assert all("step_000001" in line and "continue with:" in line for line in lines), lines
     # issue 41 item 7: the command that continues is the one that started the run, launcher
     # and all (it printed `accelerate launch train.py ...`: run as printed, another launch)
     assert all("continue with: python tests/cpu_launch.py --nproc 2 --mode ddp --timeout 200 -- "
-               "tests/mp_save_fault.py --batch-size 4" in l and l.endswith("(steps after the checkpoint are done again)")
-               for l in lines), lines
+               "tests/mp_save_fault.py --batch-size 4" in line
+               and line.endswith("(steps after the checkpoint are done again)")
+               for line in lines), lines
     assert not os.path.exists(tmp_path / "checkpoints" / "step_000001")
 
 
@@ -151,8 +152,8 @@ def test_fsdp1_is_refused_with_one_line(precision, extra, tmp_path):
     rc, log = launch("fsdp1", "train.py", *TINY, "--steps", "1", "--mixed-precision", precision, *extra,
                      "--output-dir", str(tmp_path))
     assert rc == 2, log[-3000:]
-    lines = [l for l in log.splitlines() if "train.py: error:" in l]
-    assert lines and all("fsdp_version: 1" in l for l in lines), log[-3000:]
+    lines = [line for line in log.splitlines() if "train.py: error:" in line]
+    assert lines and all("fsdp_version: 1" in line for line in lines), log[-3000:]
     assert "Traceback" not in log
 
 
@@ -187,14 +188,15 @@ def test_process_count_mismatch_is_refused(tmp_path):
     """`accelerate launch` with the GPU node's FSDP config on a machine without GPUs starts 2
     ranks, but accelerate falls back to one process per rank: refuse (each would otherwise
     train alone and all would append to one metrics file)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "configs", "fsdp_8gpu.yaml"),
+    cmd = [sys.executable, "-m", "accelerate.commands.launch",
+           "--config_file", os.path.join(ROOT, "configs", "fsdp_8gpu.yaml"),
            "--num_processes", "2", "--main_process_port", "0", "train.py", *TINY, "--steps", "1",
            "--output-dir", str(tmp_path)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    errors = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("train.py: error:")]
+    errors = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("train.py: error:")]
     assert p.returncode != 0
     assert len(errors) == 1, p.stderr[-3000:]  # the same on every rank: said once, by rank 0
-    assert all("2 processes were launched (WORLD_SIZE) but accelerate sees 1" in l for l in errors)
+    assert all("2 processes were launched (WORLD_SIZE) but accelerate sees 1" in line for line in errors)
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 

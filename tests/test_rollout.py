@@ -6,8 +6,8 @@ import torch
 from logprobs import add_logprobs, token_logprobs
 from plumbing.logs import rollout_stats
 from plumbing.models import make_tiny_policy, make_tiny_tokenizer
-from rollout import RolloutConfig as GenConfig
 from reward import split_think
+from rollout import RolloutConfig as GenConfig
 from rollout import build_system_prompt, rollout, user_turn_ids
 from rule_user import RuleBackend
 from simulator import Scenario, Simulator
@@ -27,7 +27,8 @@ QWEN25_TEMPLATE = (
     "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
     "{%- elif message.role == 'assistant' %}"
-    "{{- '<|im_start|>' + message.role + '\\n' }}{% generation %}{{- message.content + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}{% generation %}"
+    "{{- message.content + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -282,7 +283,8 @@ def test_process_without_work_keeps_joining_generate(tiny):
     def any_active(local):
         seen.append(local)
         return local or next(others_running)
-    b = rollout(policy, tok, sim(max_turns=2), SC[:1], think=False, gen_cfg=GenConfig(max_new_tokens=16), any_active=any_active)
+    b = rollout(policy, tok, sim(max_turns=2), SC[:1], think=False, gen_cfg=GenConfig(max_new_tokens=16),
+                any_active=any_active)
     assert seen == [True, True, False, False, False] and len(policy.returned) == 4  # 2 real + 2 dummy
     ref = rollout(ScriptedPolicy(tok, ["That sounds hard."]), tok, sim(max_turns=2), SC[:1], think=False,
                   gen_cfg=GenConfig(max_new_tokens=16))
@@ -361,9 +363,8 @@ def test_word_tokenizer_makes_the_cpu_demo_readable():
     """The CPU demo's tokenizer (train.py / evaluate.py --model tiny): every phrase the rule
     user reacts to or says is in its vocabulary, and a RANDOM tiny model already speaks words,
     so what RL changes is which words (the byte tokenizer's random model writes byte noise)."""
-    from plumbing.models import make_tiny_word_tokenizer
+    from plumbing.models import make_tiny_word_tokenizer, rule_user_phrases
     from rollout import end_of_turn_id, generate_turn
-    from plumbing.models import rule_user_phrases
     tok = make_tiny_word_tokenizer()
     phrases = rule_user_phrases("en")
     assert len(phrases) > 80 and "sounds" in phrases and "get over it" in phrases

@@ -124,7 +124,8 @@ def test_the_same_acknowledgement_every_turn_pays_half():
     assert f("How do you feel about it?", "", "empathy", earlier="")["acknowledge"] == 1.0
     assert f("How do you feel now?", "", "empathy", earlier="How do you feel about it?")["acknowledge"] == 0.5
     assert f("That sounds so hard.", "", "empathy", earlier="How do you feel about it?")["acknowledge"] == 1.0
-    assert f("How do you feel now?", "", "empathy", earlier="How do you feel about it?")["echo"] == 1.0  # its one content word
+    assert f("How do you feel now?", "", "empathy",
+             earlier="How do you feel about it?")["echo"] == 1.0  # its one content word
     assert f("Okay.", "", "empathy", earlier="How do you feel?")["acknowledge"] == 0.0
 
 
@@ -139,7 +140,8 @@ def test_the_rule_user_docks_a_stack_of_questions():
     question after it is docked (`stacked`), so the stack earns less than the single one."""
     f = RuleBackend().features
     one = "That sounds really hard. How does that feel?"
-    stack = "That sounds really hard. How does that feel? Is that a choice? How can that happen? How can that bother you?"
+    stack = ("That sounds really hard. How does that feel? Is that a choice? How can that happen? "
+             "How can that bother you?")
     assert f(one, "", "empathy")["stacked"] == 0.0 and f(one, "", "empathy")["open_question"] == 1.0
     assert f("How does that feel? What happened?", "", "empathy")["stacked"] == 0.5
     assert f("你还好吗？发生了什么？", "", "empathy")["stacked"] == 0.5
@@ -159,7 +161,8 @@ def test_the_rule_user_docks_a_reply_cut_off_mid_sentence():
     assert f("我明白。", "", "")["unfinished"] == 0.0
     cut = "That sounds hard. What happened when you went to"
     assert f(cut, "", "")["unfinished"] == 1.0 and f("", "", "")["unfinished"] == 1.0
-    assert expected_change(f(cut, "", "empathy")) < expected_change(f("That sounds hard. What happened?", "", "empathy"))
+    assert expected_change(f(cut, "", "empathy")) < \
+        expected_change(f("That sounds hard. What happened?", "", "empathy"))
 
 
 def test_the_rule_user_does_not_pay_its_own_words_said_back():
@@ -270,7 +273,8 @@ def test_a_word_said_in_most_replies_is_a_tic():
     tic, counted each time it is said (a trained model said "too" 1.05 times a reply)."""
     from plumbing.logs import reply_measures
     def dialogue(replies):
-        return [m for r in replies for m in ({"role": "user", "content": "It was awful."}, {"role": "assistant", "content": r})]
+        return [m for r in replies
+                for m in ({"role": "user", "content": "It was awful."}, {"role": "assistant", "content": r})]
     tic = reply_measures(dialogue(["That hurts too.", "I'm sad too, truly.", "You matter too."]), "empathy")
     varied = reply_measures(dialogue(["That hurts.", "What happened next?", "You matter to me."]), "empathy")
     assert [m["tic"] for m in tic] == [1, 1, 1] and [m["tic"] for m in varied] == [0, 0, 0]
@@ -290,7 +294,8 @@ def test_the_tic_reaches_the_training_log_and_the_reply_statistics():
         return {"history": history, "goal_type": "empathy", "valid": True, "outcome": "max_turns", "reward": 0.5,
                 "emotion": 50, "turns": len(replies), "response_lengths": [4] * len(replies), "format_violations": 0,
                 "scenario_id": "x"}
-    both = [dialogue(["That hurts too.", "I'm sad too, truly.", "You matter too."]), dialogue(["That hurts.", "Go on."])]
+    both = [dialogue(["That hurts too.", "I'm sad too, truly.", "You matter too."]),
+            dialogue(["That hurts.", "Go on."])]
     assert rollout_stats(SimpleNamespace(metrics=both))["tics_per_reply"] == pytest.approx(3 / 5)
     assert reply_stats(both)["tics_per_reply"] == pytest.approx(3 / 5)
 
@@ -318,7 +323,8 @@ def test_what_the_person_needs_pays_and_what_clashes_with_it_costs(goal, right, 
     assert good["goal"] >= 0.5 and good["clash"] == 0.0, good
     assert bad["clash"] >= 0.5 and bad["goal"] == 0.0, bad
     neutral = "That sounds hard."
-    assert score_before_rounding(wrong, goal) < score_before_rounding(neutral, goal) < score_before_rounding(right, goal)
+    assert score_before_rounding(wrong, goal) < score_before_rounding(neutral, goal) < \
+        score_before_rounding(right, goal)
     assert GOAL_CLASHES[goal] and all(len(reason) > 10 for reason in GOAL_CLASHES[goal].values())
 
 
@@ -351,7 +357,8 @@ def test_what_a_person_says_to_the_hint_serves_the_goal_and_pays_most(goal):
     assert goal_words(ANSWERS_TO_THE_HINT[goal][0], goal, GOAL_HINTS["en"][goal])[0] == 1  # one cue: in full
     assert r.WEIGHTS["goal"] >= r.WEIGHTS["acknowledge"] + r.WEIGHTS["reflect"]  # more than feeling + their words
     answer, hint = ANSWERS_TO_THE_HINT[goal][0], GOAL_HINTS["en"][goal]
-    assert score_before_rounding(answer, goal, last_user=hint) > score_before_rounding("That sounds hard.", goal, last_user=hint)
+    assert score_before_rounding(answer, goal, last_user=hint) > \
+        score_before_rounding("That sounds hard.", goal, last_user=hint)
     # naming the feeling is `acknowledge`, paid once: no goal of its own, not even the empathy user's
     assert r.features("That must feel so hurtful.", "", goal)["goal"] == 0.0
 
@@ -375,7 +382,8 @@ def test_the_hint_said_back_in_other_pronouns_serves_no_goal(goal, swapped):
 
 RUN4_HELD_OUT = {  # (the user's line, run 4's reply) from eval/smollm2-r3-run4, goal analyze_others (en-042)
     "My review says I'm not a team player because I skip drinks.": "How frustrating can that can be?",
-    "Hm. I'm still upset. Why would they act like that?": "How hard can it be to miss a break on your partner feels like?",
+    "Hm. I'm still upset. Why would they act like that?":
+        "How hard can it be to miss a break on your partner feels like?",
 }
 
 
@@ -435,8 +443,8 @@ def test_no_hint_says_a_goal_cue_and_the_users_words_said_back_serve_no_goal():
     the user's words), while the goal's own words still pay."""
     from rule_user import _hits
     from rule_words import GOAL_HINTS, GOAL_WORDS
-    said = [(lang, g, t) for lang, hints in GOAL_HINTS.items() for g, h in hints.items() for t, cues in GOAL_WORDS.items()
-            if _hits(h.lower(), cues)]
+    said = [(lang, g, t) for lang, hints in GOAL_HINTS.items() for g, h in hints.items()
+            for t, cues in GOAL_WORDS.items() if _hits(h.lower(), cues)]
     assert not said, said
     f = RuleBackend().features
     user = "I don't know... it still feels bad. Is there another side to this I'm not seeing?"
@@ -447,7 +455,8 @@ def test_no_hint_says_a_goal_cue_and_the_users_words_said_back_serve_no_goal():
     # the said-back filter spares the agent's own cues only, and takes the user's whole words (review)
     assert f("Go on, tell me more.", "Okay... go on. What should I actually do next?", "advice")["clash"] == 1.0
     from rule_user import goal_words
-    assert goal_words("Maybe you could try a small step.", "advice", "I keep trying to fix my stepmother thing.")[0] == 4
+    assert goal_words("Maybe you could try a small step.", "advice",
+                      "I keep trying to fix my stepmother thing.")[0] == 4
     assert goal_words("我也喜欢这个！", "interest_chat", "也许吧，挺复杂的。")[0] == 2  # 也 alone is no word said back
     assert goal_words("I'm here. Go on.", "venting", "I’m here again.")[0] == 1  # a curly apostrophe in the user's line
     from plumbing.logs import reply_measures
@@ -469,13 +478,15 @@ def test_a_cut_off_tail_pays_no_care():
     run_on = short + " It must be hard to feel alone and hurt, and it is so painful when your sister never"
     f = RuleBackend().features
     assert f(run_on, user, "empathy")["goal"] == 0.0 and f(run_on, user, "empathy")["reflect"] == 0.0
-    assert score_before_rounding(run_on, "empathy", last_user=user) < score_before_rounding(short, "empathy", last_user=user)
+    assert score_before_rounding(run_on, "empathy", last_user=user) < \
+        score_before_rounding(short, "empathy", last_user=user)
     cut = "It must be hard to feel alone and hurt when your sister never"  # no finished sentence: no care
     assert all(f(cut, user, "empathy")[k] == 0.0 for k in RuleBackend.CARE)
     stale = "It sounds lonely. Your sister never calls. Brand new words running past every"  # the tail is no news
     assert f(stale, user, "empathy", earlier="It sounds lonely. Your sister never calls.")["echo"] == 1.0
     said = "That sounds so hard and lonely, how are you holding up with all of it?"  # nor a new first sentence (review)
-    assert f("Ok. That sounds so hard and lonely, how are you holding up with all", user, "empathy", said)["echo"] == 1.0
+    assert f("Ok. That sounds so hard and lonely, how are you holding up with all", user, "empathy",
+             said)["echo"] == 1.0
     assert f("I hear you. You could try to make a plan and", "", "venting")["clash"] == 1.0  # a tail's cost stays
     assert f("I hear you. Whatever, calm down and", "", "venting")["dismissive"] == 1.0
     assert finished_part("他说「好。」然后") == "他说「好。」"
@@ -501,7 +512,8 @@ def test_goal_fit_per_goal_type_in_the_reply_statistics():
     ("They cut my scholarship in half. My family depends on that money.", "empathy",
      "I feel hurt when my family doesn't receive enough money.",
      "That must hurt, with your family depending on that money. I hear you."),
-    ("我的经理只看到了一个错字。", "empathy", "我的经理只看到了错字，我很难受。", "你的付出没被看见，一定很委屈，我能感受到。"),
+    ("我的经理只看到了一个错字。", "empathy", "我的经理只看到了错字，我很难受。",
+     "你的付出没被看见，一定很委屈，我能感受到。"),
 ])
 def test_the_agent_speaking_as_the_person_is_docked(user, goal, as_the_person, to_the_person):
     """Issue 50, after its first SmolLM2 run (docs/LEARNING.md): the policy learned to answer as if
@@ -521,7 +533,8 @@ def test_the_agent_speaking_as_the_person_is_docked(user, goal, as_the_person, t
     assert f("I’m sorry you’re going through this. I’m glad you told me.", user, goal)["self_talk"] == 0.0
     assert f("I seem to lose my job.", user, goal)["self_talk"] == 1.0  # "i see" is no frame inside "I seem"
     assert f("我感觉你很委屈。", user, goal)["acknowledge"] == 1.0  # "I sense you ...": a feeling of theirs
-    assert f("Ha, my weekend was quiet too. What about yours?", "Anyway. What about you?", "passive_chat")["self_talk"] == 0.0
+    assert f("Ha, my weekend was quiet too. What about yours?", "Anyway. What about you?",
+             "passive_chat")["self_talk"] == 0.0
 
 
 def reader_of(nats: dict):

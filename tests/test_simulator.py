@@ -7,9 +7,8 @@ import pytest
 
 from conftest import OFFICIAL_DATA, ROOT
 from plumbing.backends import Asker
-from plumbing.scenarios import ScenarioError, load_scenarios
+from plumbing.scenarios import GOAL_TYPES, PERSONALITY_TYPES, ScenarioError, load_scenarios
 from rule_user import RuleBackend
-from plumbing.scenarios import GOAL_TYPES, PERSONALITY_TYPES
 from simulator import Scenario, Simulator, UserState, parse_appraisal, parse_reply
 
 
@@ -234,13 +233,15 @@ def test_loader_on_shared_official_files(name, n, has_first):
     ('{"id": "a", "persona": "p", "background": "b"}\n', r":1: missing field 'hidden_goal'"),
     ('{"id": "a", "persona": "p", "background": "b", "hidden_goal": "g"}\n{oops\n', r":2: invalid JSON"),
     ('{"id": "a", "persona": 3, "background": "b", "hidden_goal": "g"}\n', r":1: field 'persona' must be"),
-    ('{"id": "a", "persona": "p", "background": "b", "hidden_goal": "g", "max_turns": "10"}\n', r"max_turns' must be an integer"),
+    ('{"id": "a", "persona": "p", "background": "b", "hidden_goal": "g", "max_turns": "10"}\n',
+     r"max_turns' must be an integer"),
     ('{"id": "a", "persona": "p", "background": "b", "hidden_goal": "g", "initial_emotion": 140}\n', r"\[0, 100\]"),
     ('{"id": "a", "persona": "p", "background": "b", "hidden_goal": "g", "persnality": "x"}\n', r"unknown field"),
     ('{"id": "a", "persona": "p", "background": "b", "hidden_goal": "g", "traits": "shy"}\n', r"traits"),
     ('[1, 2]\n', r":1: expected a JSON object"),
     ('\n\n', r"holds no scenarios"),
-    ('{"id": "a", "persona": "p", "background": "b", "hidden_goal": "g"}\n' * 2, r":2: duplicate id 'a' \(first at line 1\)"),
+    ('{"id": "a", "persona": "p", "background": "b", "hidden_goal": "g"}\n' * 2,
+     r":2: duplicate id 'a' \(first at line 1\)"),
     ('{"id": "a", "player": "p", "scene": "s", "main_cha": "负面型", "cha_group": "x", "task": "t"}\n', r"cha_group"),
 ])
 def test_loader_errors_name_file_and_line(tmp_path, content, msg):

@@ -13,10 +13,9 @@ import torch
 from conftest import ROOT, vllm_here
 from logprobs import token_logprobs
 from plumbing.models import smollm2_dir, smollm2_missing
+from reward import format_ok, split_think
 from rollout import RolloutConfig as GenConfig
-from reward import split_think
 from rollout import build_system_prompt, generate_turn, prompt_ids, rollout, user_turn_ids
-from reward import format_ok
 from test_rollout import SC, ScriptedPolicy, sim, spans
 
 needs_wheel = pytest.mark.skipif(smollm2_missing() is not None, reason=str(smollm2_missing()))
@@ -103,7 +102,8 @@ SMOLLM2_TEMPLATE_WITH_MARKERS = (
     "{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
     "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
     "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
     "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -213,6 +213,7 @@ def test_one_real_grpo_step(tmp_path, smol_dir):
     README), so this checks the plumbing end to end (load, rollout, loss, update, saving a
     model that loads again), not learning."""
     import json
+
     from train import parse_args, train
     cfg = parse_args(["--algo", "grpo", "--preset", "tiny", "--model", "smollm2", "--steps", "1",
                       "--batch-size", "1", "--group-size", "2", "--max-turns", "1", "--max-new-tokens", "4",
@@ -230,9 +231,11 @@ def test_the_smollm2_cpu_preset_starts_trains_and_saves(tmp_path):
     step each), saves a checkpoint and a final model, and draws its curves. The full run is
     docs/LEARNING.md's (about 45 minutes on 2 cores)."""
     import json
+
     from train import main, parse_args
     flags = ["--preset", "smollm2-cpu", "--steps", "2", "--batch-size", "1", "--max-turns", "1", "--max-new-tokens",
-             "4", "--save-every", "1", "--vllm-kv-cache-gb", "0.25", "--report-to", "none", "--output-dir", str(tmp_path)]
+             "4", "--save-every", "1", "--vllm-kv-cache-gb", "0.25", "--report-to", "none",
+             "--output-dir", str(tmp_path)]
     cfg = parse_args(flags)
     engine = "vllm" if vllm_here() else "hf"  # issue 39: vLLM where it is installed (an optional install)
     assert (cfg.model, cfg.engine, cfg.group_size, cfg.temperature, cfg.actor_lr, cfg.minibatch_size) == (
@@ -275,17 +278,19 @@ def test_the_reader_pays_run_5s_word_salad_a_tenth_of_the_care_and_the_base_mode
     replies keep what they earned (the gate RuleBackend.FLUENT was set from the base model's
     replies on the training scenarios, not from these)."""
     import json
+
     from plumbing.reader import load_reader
     from rule_user import RuleBackend
-    from test_rule_user import sc
     from simulator import UserState
+    from test_rule_user import sc
     reader = load_reader("smollm2")
     plain, reading = RuleBackend(), RuleBackend(reader=reader)
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "data", "goal_reader_labels_run5.jsonl"))]
     paid = {}
     for r in rows:
         st = UserState(scenario=sc(goal_type=r["goal_type"], personality_type=""), emotion=50,
-                       history=[{"role": "user", "content": r["user_line"]}, {"role": "assistant", "content": r["reply"]}])
+                       history=[{"role": "user", "content": r["user_line"]},
+                                {"role": "assistant", "content": r["reply"]}])
         f = plain.features(r["reply"], r["user_line"], r["goal_type"])
         care = sum(plain.WEIGHTS[k] * f[k] for k in plain.CARE)  # the care the features pay without a reader
         gated = reading.expected_change(st, r["reply"])[0] - plain.expected_change(st, r["reply"])[0] + care

