@@ -60,7 +60,16 @@ import torch  # noqa: E402 (after matplotlib.use)
 from tqdm.auto import tqdm  # noqa: E402 (after matplotlib.use)
 from transformers import HfArgumentParser  # noqa: E402 (after matplotlib.use)
 
-from judge import STRATEGIES, LLMJudge, RuleJudge, capability_summary, judge_all, plot_strategies, strategy_stats  # noqa: E402 (after matplotlib.use)
+from judge import (  # noqa: E402 (after matplotlib.use)
+    DIMENSIONS,
+    STRATEGIES,
+    LLMJudge,
+    RuleJudge,
+    capability_summary,
+    judge_all,
+    plot_strategies,
+    strategy_stats,
+)
 from plumbing import models  # noqa: E402 (after matplotlib.use)
 from plumbing.backends import (  # noqa: E402 (after matplotlib.use)
     Asker,
@@ -110,6 +119,7 @@ def summarize(records: list[dict]) -> dict:
 
 _EMOTION_KEYS = ("emotion", "final_emotion", "emo_point", "emo", "score")
 EMOTION_FLOOR = -100  # the lowest emotion any simulated user writes (see normalize_record)
+MAX_COUNT = 10 ** 6  # at most this many turns in a dialogue, or characters in a reply, in a --score file
 
 
 # What the summary's success and failure mean, by the rules a file's dialogues were played under
@@ -189,16 +199,27 @@ def normalize_record(obj: dict, where: str) -> dict:
                 raise ValueError(f"{where}: {hist_key}[{i}] has {problem} '{field_name}' (a string is needed)")
     agent = [m["content"] for m in hist if m["role"] in AGENT_ROLES]
     turns = obj.get("turns", len(agent))
-    if not isinstance(turns, int) or isinstance(turns, bool) or turns < 0:
-        raise ValueError(f"{where}: 'turns' must be a non-negative integer, got {turns!r:.40}")
+    if not isinstance(turns, int) or isinstance(turns, bool) or not 0 <= turns <= MAX_COUNT:
+        raise ValueError(f"{where}: 'turns' must be an integer in [0, {MAX_COUNT}], got {turns!r:.40}")
     for k in ("emotion_trace", "emo_trace", "reply_lengths"):
         v = obj.get(k, [])
-        if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                              and math.isfinite(x) for x in v):
+        # Range first: an int of 400 digits is a number Python holds, but no float (OverflowError).
+        low, high = (0, MAX_COUNT) if k == "reply_lengths" else (EMOTION_FLOOR, 100)  # the plot's axes cover these
+        if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
             raise ValueError(f"{where}: '{k}' must be a list of numbers")
-        if k != "reply_lengths" and not all(EMOTION_FLOOR <= x <= 100 for x in v):  # what the plot's axes cover
-            raise ValueError(f"{where}: '{k}' holds {next(x for x in v if not EMOTION_FLOOR <= x <= 100)!r}, "
-                             f"not an emotion in [{EMOTION_FLOOR}, 100]")
+        bad = next((x for x in v if not low <= x <= high), None)  # NaN fails too
+        if bad is not None:
+            what = "a reply length" if k == "reply_lengths" else "an emotion"
+            raise ValueError(f"{where}: '{k}' holds {bad!r:.40}, not {what} in [{low}, {high}]")
+    cap, labels = obj.get("capability"), obj.get("strategies")  # a judged file's (None: a failed judgement)
+    if cap is not None and not (isinstance(cap, dict) and all(
+            isinstance(cap.get(d), (int, float)) and not isinstance(cap.get(d), bool) and 1 <= cap[d] <= 5
+            for d in DIMENSIONS)):
+        raise ValueError(f"{where}: 'capability' must map each of {', '.join(DIMENSIONS)} to a score in [1, 5]")
+    if labels is not None and not (isinstance(labels, list) and all(
+            isinstance(turn, list) and all(isinstance(s, str) and s in STRATEGIES for s in turn) for turn in labels)):
+        raise ValueError(f"{where}: 'strategies' must be a list (a turn each) of lists of strategy names "
+                         f"({', '.join(STRATEGIES)})")
     return {**obj, "history": hist, "emotion": float(obj[key]), "turns": turns,
             "emotion_trace": obj.get("emotion_trace") or obj.get("emo_trace") or [],
             "reply_lengths": obj.get("reply_lengths", [len(a) for a in agent]),
@@ -228,7 +249,7 @@ def load_transcripts(path: str) -> list[dict]:
     for where, place, row in items:
         rec = normalize_record(row, where)
         key = rec.get("scenario_id", rec.get("id"))
-        if isinstance(key, str):
+        if isinstance(key, (str, int)) and not isinstance(key, bool):  # ids 1 and "1" are two ids
             if key in seen:
                 raise ValueError(f"{path}: dialogue {key!r} appears twice ({seen[key]} and {place}): a score "
                                  f"counts each dialogue once")
@@ -772,6 +793,10 @@ def main(argv=None):
         for path in args.score:  # validate inputs before any heavy work
             label = label_for(os.path.splitext(path)[0], taken)
             results[label], args.row_rules[label] = load_transcripts(path), recorded_rules(path)
+            s = summarize(results[label])
+            if not s["scored"]:  # nothing to score: not a row with no score, and not exit 0
+                raise InputError(f"--score {path}: no dialogue in it was scored ({s['dialogues']} dialogues: "
+                                 f"{s['simulator_errors']} simulator errors, {s['unscored']} never appraised)")
         board = load_leaderboard(args.leaderboard) if args.leaderboard else {}
         for name in board:
             taken.add(name)
@@ -948,8 +973,7 @@ def run(args, backend, scenarios, labels, protocols, done, judge, results, promp
         sys.stderr.write(f"evaluate.py: error: no dialogue of {', '.join(unscored)} was scored "
                          f"({s['simulator_errors']} simulator errors, {s['unscored']} never appraised; {why}\n")
         return 1
-    scores = ", ".join(f"{label} " + ("n/a" if s["sentient_score"] is None else f"{s['sentient_score']:.1f}")
-                       for label, s in summaries.items())  # a --score row with no scored dialogue has none
+    scores = ", ".join(f"{label} {s['sentient_score']:.1f}" for label, s in summaries.items())
     print(f"\ndone: {len(summaries)} rows (Sentient: {scores})\n"
           f"  figures:     {os.path.join(args.output_dir, 'summary.json')}" + "".join(
               f"\n  dialogues:   {os.path.join(args.output_dir, label, 'transcripts.jsonl')}" for label in labels) +

@@ -198,14 +198,14 @@ def train(cfg: Config) -> dict:
         set_seed(cfg.seed, device_specific=True)
     elif fsdp and cfg.gather_for_generation:
         gen_copy = distributed.make_generation_copy(accelerator.unwrap_model(policy), accelerator.device, dtype)
-    start = resume_if_asked(accelerator, cfg)
+    start, unscored = resume_if_asked(accelerator, cfg)  # unscored: steps in a row with nothing to learn from
     accelerator.init_trackers("rlver", config=dataclasses.asdict(cfg))
     sim = make_simulator(cfg, backend, cfg.initial_emotion, cfg.max_turns)
     shuffle_rng = torch.Generator()  # the minibatch order
 
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"{cfg.algo}",
                disable=not accelerator.is_main_process, dynamic_ncols=True)
-    last, unscored = {}, 0  # unscored: steps in a row with no dialogue to learn from
+    last = {}
     for step in bar:
         t0 = time.time()
         # ------------------------------------------------------------------------------------
@@ -282,11 +282,11 @@ def train(cfg: Config) -> dict:
         write_logs(accelerator, cfg.output_dir, row, batch)
         bar.set_postfix(reward=fmt(roll["reward"], ".3f"), turns=fmt(roll["turns"], ".1f"), s=f"{step_time:.1f}")
         last = row
-        unscored = unscored + 1 if skipped else 0
-        if unscored >= cfg.max_unscored_steps:  # before the checkpoint: a resume must not skip to the end
-            raise UnscoredRun(unscored_problem(batch, step, unscored))
+        unscored = unscored + 1 if skipped else 0  # in a row, across resumes (checkpoints keep it)
+        if unscored >= cfg.max_unscored_steps or unscored == step + 1 == cfg.steps:  # or never: no final/
+            raise UnscoredRun(unscored_problem(batch, step, unscored))  # before the checkpoint: resumable
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            save_checkpoint(accelerator, cfg, step + 1)
+            save_checkpoint(accelerator, cfg, step + 1, unscored)
 
     save_final(accelerator, policy, tok, os.path.join(cfg.output_dir, "final"), dtype)
     if accelerator.is_main_process:  # the curves, and what was learned, where it went and what to try next

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -309,8 +310,8 @@ class OpenAIBackend:
     MAX_ANSWER_BYTES = 256 * 1024  # a simulated user's line is ~1 KB; a bigger answer is a fault
     # How the answer is constrained, best first: structured outputs (the exact JSON schema the
     # parser reads: vLLM, SGLang, llama.cpp's server, OpenAI), JSON mode, plain text. A format
-    # refused (refuses_format) and the next one answered moves the endpoint down for the rest of
-    # the run, logged once.
+    # refused (refuses_format: an error that names it) and the next one answered with a chat
+    # completion moves the endpoint down for the rest of the run, logged once.
     FORMATS = {"json_schema": "structured outputs (a JSON schema)", "json_object": "JSON mode", "text": "plain text"}
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
@@ -363,14 +364,14 @@ class OpenAIBackend:
             except openai.APIStatusError as e:
                 if e.status_code in (401, 403, 404):
                     raise EndpointError(self._endpoint_problem(e.status_code)) from None
-                if fmt != "text" and refuses_format(e.status_code):
-                    # Perhaps the server lacks this format. Servers say so in many ways: a 400
-                    # naming response_format (OpenAI), a 400 naming the grammar backend (vLLM's
-                    # xgrammar), a 422 (DeepSeek's "json_schema is unavailable now", TGI,
-                    # FastAPI validation). So ask again at once with the next format, which is
-                    # not a failed try; the endpoint keeps the step-down only if that request is
-                    # answered (below): a 400 for another reason (the context is too long) is
-                    # refused in every format and ends as a failed try.
+                if fmt != "text" and refuses_format(e.status_code, e.message):
+                    # The server lacks this format, and says so in many ways: a 400 naming
+                    # response_format (OpenAI), the JSON schema and its grammar backend (vLLM's
+                    # xgrammar), a 422 naming json_schema (DeepSeek's "json_schema is unavailable
+                    # now", FastAPI's validation of response_format). So ask again at once with
+                    # the next format, which is not a failed try; the endpoint keeps the
+                    # step-down only if that request is answered with a chat completion (below).
+                    # Any other 4xx (the context is too long) is a failed try in this format.
                     refusal = refusal or self._redact(e.message)[:200]  # "Error code: 422 - {...}"
                     fmt = list(self.FORMATS)[list(self.FORMATS).index(fmt) + 1]
                     continue
@@ -384,6 +385,7 @@ class OpenAIBackend:
             with self._lock:
                 self.retries += 1
             time.sleep(wait)
+        content = self._content(body)  # a body that is not a chat completion: a failed try, no step-down
         if fmt != asked:  # a lower format was answered: the endpoint keeps it, logged once
             formats = list(self.FORMATS)
             with self._lock:  # once, whichever call met it first; a call that began below the
@@ -392,7 +394,7 @@ class OpenAIBackend:
                     log.warning("%s endpoint refused %s (%s); continuing with %s", self.flag,
                                 self.FORMATS[asked], refusal, self.FORMATS[fmt])
                     self.format = fmt
-        return self._content(body)
+        return content
 
     def _request(self, kw: dict, left: float) -> bytes:
         """One request -> the response body, within `left` seconds whatever the server does.
@@ -440,8 +442,9 @@ class OpenAIBackend:
             raise ValueError(f"chat-completions content is a {type(content).__name__}, not text")
         if choice.get("finish_reason") == "length":  # cut at max_tokens: half an answer is no answer
             raise ValueError(f"answer cut at max_tokens={self.max_tokens} (finish_reason length)")
-        # DeepSeek's JSON mode can return blank content: that is a parse failure -> retried.
-        return content or ""
+        # DeepSeek's JSON mode can return blank content: that is a parse failure -> retried. The
+        # key cut out: what a server says is logged, parsed into errors and transcripts.
+        return self._redact(content or "")
 
     def _retry_wait(self, err, k: int) -> float | None:
         """Seconds to wait before retry k (0-based) after `err`, or None if `err` is final."""
@@ -474,8 +477,10 @@ class OpenAIBackend:
                 f"{self.flag}-api-key-env names the variable that holds the key")
 
     def _redact(self, text: str) -> str:
-        """`text` with the API key cut out (an error body may echo it)."""
-        if self._key:
+        """`text` with the API key cut out (an error body or an answer may echo it). A key of a
+        few characters ("1", "EMPTY": a local server takes any) is no secret, and cutting it out
+        would change answers ("change: 10" -> "change: ***0")."""
+        if len(self._key) >= 8:
             text = text.replace(self._key, "***")
         return text
 
@@ -493,11 +498,24 @@ class OpenAIBackend:
                 raise EndpointError(self._endpoint_problem(e.status_code)) from None
 
 
-def refuses_format(status: int) -> bool:
-    """Can this HTTP status be a server's refusal of the response_format asked for? Any 4xx but
-    those that mean something else: 401/403/404 (the key, the model, the URL: an EndpointError),
-    408/409/429 (transport faults, retried with backoff)."""
-    return 400 <= status < 500 and status not in (401, 403, 404, 408, 409, 429)
+# What an error about the answer's format names: the request field, the formats, the
+# constrained-decoding backends that serve them (vLLM's xgrammar / guidance / outlines, TGI's
+# grammar). An error about the length is never one, though OpenAI's names the format too ("your
+# messages resulted in 137655 tokens (including 348 in the response_format schemas.)").
+FORMAT_WORDS = re.compile(r"response_format|json_schema|json_object|json schema|json mode|structured output|"
+                          r"guided|guidance|grammar|outlines|lm-format-enforcer", re.I)
+LENGTH_WORDS = re.compile(r"context.length|maximum context|context window|reduce the length|too many tokens|"
+                          r"max_tokens|max_new_tokens|prompt is too long", re.I)
+
+
+def refuses_format(status: int, message: str = "") -> bool:
+    """Is this error a server's refusal of the response_format asked for? A 4xx but those that
+    mean something else (401/403/404: the key, the model, the URL, an EndpointError; 408/409/429:
+    transport faults, retried with backoff) whose message names the format (FORMAT_WORDS) and
+    not the length (LENGTH_WORDS)."""
+    message = message or ""
+    return (400 <= status < 500 and status not in (401, 403, 404, 408, 409, 429)
+            and bool(FORMAT_WORDS.search(message)) and not LENGTH_WORDS.search(message))
 
 
 class HFBackend:

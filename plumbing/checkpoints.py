@@ -85,9 +85,10 @@ def saved_checkpoints(cfg) -> list[str]:
     return sorted(d for d in os.listdir(root) if d.startswith("step_"))
 
 
-def save_checkpoint(accelerator, cfg, step):
+def save_checkpoint(accelerator, cfg, step, unscored: int = 0):
     """Models, optimizers, schedulers and every process's RNG state (accelerate's save_state),
-    and trainer_state.json (the step and the run's config), as checkpoints/step_NNNNNN. Every
+    and trainer_state.json (the step, the steps in a row before it that scored no dialogue, and
+    the run's config), as checkpoints/step_NNNNNN. Every
     process learns the outcome, the main process's rename included: a process that raised alone
     would leave the others waiting in the next collective (on NCCL, for the whole timeout), and
     their nodes would not say why."""
@@ -115,7 +116,8 @@ def save_checkpoint(accelerator, cfg, step):
                 accelerator.save_state(tmp)
                 if accelerator.is_main_process:
                     with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
-                        json.dump({"step": step, "config": dataclasses.asdict(cfg)}, f, indent=1)
+                        json.dump({"step": step, "unscored": unscored, "config": dataclasses.asdict(cfg)}, f,
+                                  indent=1)
             except Exception as e:  # e.g. this process's disk is full
                 error = e
             # Every process writes its own files (RNG state, FSDP shards): all must have
@@ -214,17 +216,13 @@ def _write_final(accelerator, policy, model, tok, state, path, dtype, adapter):
 
 
 def checkpoint_state(path: str) -> dict:
-    """A checkpoint's trainer_state.json: {"step": the step to resume at, "config": the run's}."""
+    """A checkpoint's trainer_state.json: {"step": the step to resume at, "unscored": the steps
+    in a row before it that scored no dialogue (absent in older checkpoints), "config": the run's}."""
     with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
         state = json.load(f)
     if not isinstance(state.get("step"), int):
         raise TypeError(f"{path}: trainer_state.json's step is not an integer: {state.get('step')!r:.40}")
     return state
-
-
-def checkpoint_step(path: str) -> int:
-    """The step a checkpoint was saved after: the step to resume at."""
-    return checkpoint_state(path)["step"]
 
 
 def find_resume(cfg):
@@ -236,31 +234,44 @@ def find_resume(cfg):
     return os.path.join(ckpt_dir(cfg), done[-1])
 
 
-def resume_if_asked(accelerator, cfg) -> int:
+def resume_if_asked(accelerator, cfg) -> tuple[int, int]:
     """--resume: restore models, optimizers, schedulers and RNG states -> the step to start at
-    (0 for a fresh run). Log rows and checkpoints of the steps after it are dropped (redone now):
-    a fresh run in a folder that holds an earlier run's checkpoints must not keep them (its own
-    step 10 would be pruned as the oldest, and a later --resume auto would load the old run's)."""
+    (0 for a fresh run) and the steps in a row before it that scored no dialogue (train.py's
+    --max-unscored-steps counts across resumes; 0 when the checkpoint does not say). Log rows
+    and checkpoints of the steps after it are dropped (redone now): a fresh run in a folder that
+    holds an earlier run's checkpoints must not keep them (its own step 10 would be pruned as
+    the oldest, and a later --resume auto would load the old run's)."""
     resume = find_resume(cfg)
     if accelerator.num_processes > 1:  # the main process decides (file systems may lag)
         resume = broadcast_object_list([resume])[0]
-    start = 0
+    start = unscored = 0
     if resume:  # LoRA: the checkpoint holds the trainable tensors only (plumbing.lora.trainable_only)
         accelerator.load_state(resume, **({"strict": False} if cfg.lora_rank else {}))
         if cfg.lora_rank:
             check_restored(accelerator, resume)
-        start = checkpoint_step(resume)
+        state = checkpoint_state(resume)
+        start, unscored = state["step"], state.get("unscored")
+        if not isinstance(unscored, int) or not 0 <= unscored <= start:  # saved before the count was kept
+            if accelerator.is_main_process:
+                log.warning("%s holds no count of unscored steps: --max-unscored-steps counts from step %d",
+                            resume, start)
+            unscored = 0
         if accelerator.is_main_process:
             log.info("resumed from %s at step %d", resume, start)
+    outcome = None
     if accelerator.is_main_process:
-        truncate_logs(cfg.output_dir, start)
+        try:
+            truncate_logs(cfg.output_dir, start)
+        except SaveError as e:  # every process learns it (agree), not only the one that wrote
+            outcome = e
         later = [d for d in saved_checkpoints(cfg) if int(d[5:]) > start]
-        if later:
+        if later and outcome is None:
             log.warning("%s: removing the checkpoints after step %d (%s), an earlier run's: this run redoes "
                         "those steps", ckpt_dir(cfg), start, ", ".join(later))
             for d in later:
                 shutil.rmtree(os.path.join(ckpt_dir(cfg), d), ignore_errors=True)
-    return start
+    agree(accelerator, outcome, f"could not rewrite the logs in {cfg.output_dir}: the main process could not")
+    return start, unscored
 
 
 def check_restored(accelerator, path: str):
@@ -295,13 +306,17 @@ def truncate_logs(output_dir: str, step: int):
         if not os.path.exists(path):
             continue
         keep = []
-        with open(path, "rb") as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except (ValueError, RecursionError):
-                    continue
-                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
-                    keep.append(line.rstrip(b"\n") + b"\n")
+        try:
+            with open(path, "rb") as f:
+                lines = f.readlines()
+        except OSError as e:  # a read error (NFS's ESTALE, EIO, a folder in its place): one line on every process
+            raise SaveError(f"could not read {path}: {e.strerror or e}") from e
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+                keep.append(line.rstrip(b"\n") + b"\n")
         with written_atomically(path) as tmp, open(tmp, "wb") as f:
             f.writelines(keep)

@@ -20,8 +20,8 @@ from plumbing.backends import make_backend
 from plumbing.checkpoints import checkpoint_state, find_resume
 from plumbing.engines import engine_problem
 from plumbing.files import InputError, lock_output_dir, make_output_dir  # noqa: F401 (re-exported for the entry points)
-from plumbing.lora import lora_problem
-from plumbing.models import smollm2_missing
+from plumbing.lora import adapted_modules, lora_problem, target_list
+from plumbing.models import empty_model, smollm2_missing
 from plumbing.reader import load_reader
 from plumbing.scenarios import ScenarioError, load_scenarios
 
@@ -148,16 +148,18 @@ FLOAT_RANGES = {  # flag's name: (lowest, highest, the interval's brackets: "(" 
 # plumbing.engines: vLLM's length): the seed within numpy's 32 bits whatever rank each process adds
 # to it (set_seed(device_specific=True)), and warmup steps that cannot turn the learning rate negative.
 INT_RANGES = {"seed": (0, 2 ** 31 - 1), "warmup_steps": (0, 10 ** 9)}
+INT_MAX = 2 ** 31 - 1  # every integer flag's ceiling (its floor: validate, or the flag's own check)
 
 
 def check_floats(args):
-    """InputError naming the first float flag of `args` (a dataclass or argparse namespace)
-    outside FLOAT_RANGES (NaN and infinities are outside every range), then the first integer
-    flag outside INT_RANGES."""
-    for name, (lo, hi) in INT_RANGES.items():
-        value = getattr(args, name, None)
-        if value is not None and not lo <= value <= hi:
-            raise InputError(f"--{name.replace('_', '-')} {value}: must be an integer in [{lo}, {hi}]")
+    """InputError naming the first integer flag of `args` (a dataclass or argparse namespace)
+    outside INT_RANGES or above INT_MAX, then the first float flag outside FLOAT_RANGES (NaN and
+    infinities are outside every range)."""
+    for name, value in vars(args).items():  # every integer: what torch and numpy hold (32 bits)
+        lo, hi = INT_RANGES.get(name, (-INT_MAX, INT_MAX))  # (a count's floor, >= 1, is validate's)
+        if isinstance(value, int) and not isinstance(value, bool) and not lo <= value <= hi:
+            shown = str(value) if len(str(value)) <= 20 else f"{str(value)[:20]}..."
+            raise InputError(f"--{name.replace('_', '-')} {shown}: must be an integer in [{lo}, {hi}]")
     for name, (lo, hi, brackets) in FLOAT_RANGES.items():
         value = getattr(args, name, None)
         if value is None:  # not a flag of this script
@@ -182,6 +184,10 @@ def validate(cfg):
     problem = engine_problem(cfg, cfg.model, torch.cuda.is_available()) or lora_problem(cfg)
     if problem:
         raise InputError(problem)
+    cfg.lora_target_modules = target_list(cfg.lora_target_modules)  # as applied, recorded and compared
+    if cfg.lora_rank:  # the adapted models' modules, on their configurations: not after minutes of loading
+        for name in [cfg.model] + ([cfg.critic_model] if cfg.algo == "ppo" and cfg.critic_model else []):
+            adapted_modules(empty_model(name), cfg.lora_target_modules, name)
     if not (cfg.rollout_is_cap == 0 or cfg.rollout_is_cap >= 1):  # below 1 it would scale every weight down
         raise InputError(f"--rollout-is-cap {cfg.rollout_is_cap}: must be 0 (off) or >= 1")
     if cfg.rollout_is_cap and cfg.engine != "vllm":
@@ -220,6 +226,8 @@ def check_checkpoint(path: str, cfg=None):
     if cfg is None or not isinstance(saved, dict):
         return
     keys = ["algo", "model", "lora_rank"] + (["critic_model"] if cfg.algo == "ppo" else [])
+    if saved.get("lora_rank") and saved.get("model") == "tiny":  # the frozen base is not saved: built from the seed
+        keys.append("seed")
     for key in keys:
         if key in saved and saved[key] != getattr(cfg, key):
             flag = "--" + key.replace("_", "-")
@@ -233,11 +241,15 @@ def check_checkpoint(path: str, cfg=None):
             theirs = saved.get(key, mine)
             if key == "lora_alpha":
                 theirs = theirs or 2 * saved["lora_rank"]
+            elif isinstance(theirs, str):
+                theirs = target_list(theirs)
             if theirs != mine:
                 flag = "--" + key.replace("_", "-")
                 raise InputError(f"--resume {path}: the checkpoint was saved with {flag} {theirs or 'empty'} (as "
                                  f"applied), this run has {flag} {mine or 'empty'}")
-    if "kl_coef" in saved and (saved["kl_coef"] > 0) != (cfg.kl_coef > 0):
+    # A KL reference is a model of its own, loaded and registered (in the checkpoint); under LoRA
+    # it is the base with the adapter off (plumbing.lora.ReferencePolicy), nothing saved.
+    if "kl_coef" in saved and (saved["kl_coef"] > 0) != (cfg.kl_coef > 0) and not cfg.lora_rank:
         raise InputError(f"--resume {path}: the checkpoint was saved {'with' if saved['kl_coef'] > 0 else 'without'} "
                          f"a KL reference model (--kl-coef {saved['kl_coef']}), this run has --kl-coef {cfg.kl_coef}")
 

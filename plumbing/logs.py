@@ -19,7 +19,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402 (after matplotlib.use)
 
-from plumbing.files import append_line  # noqa: E402 (after matplotlib.use)
+from plumbing.checkpoints import agree  # noqa: E402 (after matplotlib.use)
+from plumbing.files import SaveError, append_line, written_atomically  # noqa: E402 (after matplotlib.use)
 from rule_user import RuleBackend, content_words, ends_sentence, questions, word_list  # noqa: E402 (after matplotlib.use)
 
 log = logging.getLogger("train")
@@ -63,14 +64,21 @@ def rollout_stats(batch) -> dict:
 
 def write_logs(accelerator, output_dir: str, row: dict, batch):
     """The step's row to metrics.jsonl and the trackers, and one readable sample dialogue of
-    this step to samples.jsonl (files: main process only)."""
+    this step to samples.jsonl (files: main process only). A write the main process cannot make
+    (a full disk) is a SaveError on every process (agree): the others would wait for it in the
+    next collective, and their nodes would not say why."""
+    outcome = None
     if accelerator.is_main_process:
-        append_line(os.path.join(output_dir, "metrics.jsonl"), strict_json(row))
-        if batch.metrics:
-            m = batch.metrics[0]
-            sample = {"step": row["step"], "scenario": m["scenario_id"], "reward": m["reward"],
-                      "emotion_trace": m["emotion_trace"], "history": m["history"]}
-            append_line(os.path.join(output_dir, "samples.jsonl"), strict_json(sample))
+        try:
+            append_line(os.path.join(output_dir, "metrics.jsonl"), strict_json(row))
+            if batch.metrics:
+                m = batch.metrics[0]
+                sample = {"step": row["step"], "scenario": m["scenario_id"], "reward": m["reward"],
+                          "emotion_trace": m["emotion_trace"], "history": m["history"]}
+                append_line(os.path.join(output_dir, "samples.jsonl"), strict_json(sample))
+        except SaveError as e:
+            outcome = e
+    agree(accelerator, outcome, f"could not write the logs in {output_dir}: the main process could not write them")
     accelerator.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
 
 
@@ -215,7 +223,12 @@ def finish_run(cfg, out=None):
     quarter, the time since the start, the final model, the curve and the logs, and the next
     command to try (evaluate the model against the one it started from)."""
     metrics, png = os.path.join(cfg.output_dir, "metrics.jsonl"), os.path.join(cfg.output_dir, "reward_curve.png")
-    plot_curve(metrics, png, f"RLVER {cfg.algo.upper()} ({cfg.preset} preset)")
+    try:  # a by-product: a curve that cannot be drawn (its path a folder, a full disk) is a warning
+        plot_curve(metrics, png, f"RLVER {cfg.algo.upper()} ({cfg.preset} preset)")
+        drawn = "" if os.path.isfile(png) else " (not drawn: no scored step)"
+    except Exception as e:  # the run's exit code stays what training earned
+        drawn = f" (not drawn: {type(e).__name__}: {str(e)[:200]})"
+        log.warning("%s: the reward curve was not drawn (%s: %s)", png, type(e).__name__, str(e)[:200])
     with open(metrics, encoding="utf-8") as f:
         rewards = [r["reward"] for r in map(json.loads, filter(str.strip, f)) if r.get("reward") is not None]
     q = max(1, len(rewards) // 4)
@@ -226,7 +239,7 @@ def finish_run(cfg, out=None):
                  f"; mean step reward {mean(rewards[:q]):.3f} (first quarter) -> {mean(rewards[-q:]):.3f} (last)"
                  if rewards else ""),
              f"  final model: {final}",
-             f"  curves:      {png}" + ("" if os.path.isfile(png) else " (not drawn: no scored step)"),
+             f"  curves:      {png}{drawn}",
              f"  logs:        {metrics}, {os.path.join(cfg.output_dir, 'samples.jsonl')}",
              f"  next:        python evaluate.py --model {cfg.model} --model {final} --eval-prompt train --judge none "
              f"--scenarios data/scenarios_test.jsonl --initial-emotion {cfg.initial_emotion} --max-turns "
@@ -275,8 +288,11 @@ def plot_curve(metrics_path, png_path, title):
         ax.legend(fontsize=7, ncol=2)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
+    try:  # a full disk leaves the old curve or none, never half of one
+        with written_atomically(png_path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:  # a figure left open when the file cannot be written holds its memory to the end
+        plt.close(fig)
 
 
 def trackers(cfg):

@@ -58,6 +58,30 @@ def lora_problem(cfg) -> str | None:
     return None
 
 
+def target_list(text: str) -> str:
+    """--lora-target-modules as applied and recorded: sorted, without blanks or repeats, so that a
+    resume naming the same modules in another order or spacing matches ("" and ",": every
+    linear projection)."""
+    return ",".join(sorted({t.strip() for t in text.split(",") if t.strip()}))
+
+
+def adapted_modules(model, targets: str, base_name: str) -> list[str]:
+    """The module names an adapter goes on -> `targets` (target_list's form) or, empty, every
+    linear projection of `model`; InputError for a name that matches no linear projection, or
+    that names the embeddings or the LM head. `model` may be an empty one (plumbing.models.
+    empty_model: its modules without weights), so that this is checked before any loading."""
+    from plumbing.files import InputError
+    linear = linear_targets(model)
+    if not linear:  # e.g. GPT-2's Conv1D projections
+        raise InputError(f"--lora-rank: {base_name} has no linear projection (nn.Linear) to adapt")
+    wanted = targets.split(",") if targets else linear
+    wrong = [t for t in wanted if t not in linear]
+    if wrong:
+        raise InputError(f"--lora-target-modules: {', '.join(wrong)} matches no linear projection of {base_name} "
+                         f"(its projections: {', '.join(linear)}; the embeddings and the LM head are not adapted)")
+    return wanted
+
+
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config")
 
@@ -72,18 +96,9 @@ def linear_targets(model) -> list[str]:
 def add_adapter(model, cfg, base_name: str):
     """-> the model with a fresh LoRA adapter (PEFT), only the adapter trainable. The adapter's B
     starts at 0, so the policy is the base at step 0. InputError for target names that match no
-    linear projection, or that name the embeddings or the LM head."""
+    linear projection, or that name the embeddings or the LM head (adapted_modules)."""
     from peft import LoraConfig, get_peft_model
-
-    from plumbing.files import InputError
-    linear = linear_targets(model)
-    if not linear:  # e.g. GPT-2's Conv1D projections
-        raise InputError(f"--lora-rank: {base_name} has no linear projection (nn.Linear) to adapt")
-    targets = [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()] or linear
-    wrong = [t for t in targets if t not in linear]
-    if wrong:
-        raise InputError(f"--lora-target-modules: {', '.join(wrong)} matches no linear projection of {base_name} "
-                         f"(its projections: {', '.join(linear)}; the embeddings and the LM head are not adapted)")
+    targets = adapted_modules(model, target_list(cfg.lora_target_modules), base_name)
     config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank, target_modules=targets,
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM" if model.get_output_embeddings() else None)
     peft = get_peft_model(model, config)
@@ -191,20 +206,34 @@ def adapter_state(model, keep: bool) -> dict:
     return state
 
 
+TINY_BASE = "tiny_base.json"  # beside adapter_config.json when the base is the seeded random model
+
+
 def save_adapter(peft_model, state: dict, folder: str):
     """The adapter in PEFT's format: adapter_config.json (naming the base) and
-    adapter_model.safetensors, from `state`, the adapter's tensors whole (adapter_state)."""
+    adapter_model.safetensors, from `state`, the adapter's tensors whole (adapter_state). A base
+    built from a seed (--model tiny) has it recorded (TINY_BASE): the same base is rebuilt
+    whatever --seed the adapter is evaluated with."""
     peft_model.save_pretrained(folder, state_dict=state, save_embedding_layers=False)  # (no hub lookup)
+    seed = getattr(peft_model.get_base_model().config, "tiny_seed", None)
+    if seed is not None:
+        with open(os.path.join(folder, TINY_BASE), "w", encoding="utf-8") as f:
+            json.dump({"seed": seed}, f)
 
 
 def load_adapter_dir(folder: str, load_base):
     """--model DIR where DIR holds adapter_config.json (a train.py final/adapter) -> (the base
-    named there with the adapter merged in fp32 (engine_weights), its tokenizer). load_base(name)
-    -> (model, tokenizer) loads the base."""
+    named there with the adapter merged in fp32 (engine_weights), its tokenizer). load_base(name,
+    seed) -> (model, tokenizer) loads the base; seed: the one a random base was built with
+    (TINY_BASE), else None."""
     from peft import PeftModel
     with open(os.path.join(folder, "adapter_config.json"), encoding="utf-8") as f:
         base_name = json.load(f)["base_model_name_or_path"]
-    base, tok = load_base(base_name)
+    seed = None
+    if os.path.isfile(os.path.join(folder, TINY_BASE)):
+        with open(os.path.join(folder, TINY_BASE), encoding="utf-8") as f:
+            seed = json.load(f)["seed"]
+    base, tok = load_base(base_name, seed)
     dtype = next(base.parameters()).dtype
     peft = PeftModel.from_pretrained(base, folder)
     merged = dict(engine_weights(peft, dtype))

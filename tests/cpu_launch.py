@@ -49,18 +49,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "fsdp_8gpu.yaml")
 
 
+def launch_argv(mode: str, nproc: int, config_file: str, nnodes: int = 1, node_rank: int = 0,
+                port: int = 0) -> list[str]:
+    """The `accelerate launch` arguments of node `node_rank`: those of docs/MULTI_GPU.md's SLURM
+    recipe (config file, machines, processes, machine rank, main process's address and port,
+    --same_network, a static rendezvous: rank 0 on machine 0), and --mixed_precision no (CPU)."""
+    argv = ["--num_processes", str(nproc * nnodes), "--mixed_precision", "no", "--main_process_port", str(port),
+            "--num_machines", str(nnodes), "--machine_rank", str(node_rank), "--main_process_ip", "127.0.0.1",
+            "--same_network", "--rdzv_backend", "static"]
+    argv = (["--config_file", config_file] if mode.startswith("fsdp") else ["--multi_gpu"]) + argv
+    return argv + (["--fsdp_version", "1"] if mode == "fsdp1" else [])
+
+
 def accelerate_env(mode: str, nproc: int, config_file: str, nnodes: int = 1, node_rank: int = 0,
                    port: int = 0) -> dict:
     """The environment `accelerate launch` would give each process of node `node_rank` (of
     `nnodes`, `nproc` processes each), built by accelerate itself; MASTER_PORT included."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
-    argv = ["--num_processes", str(nproc * nnodes), "--mixed_precision", "no", "--main_process_port", str(port),
-            "--num_machines", str(nnodes), "--machine_rank", str(node_rank), "--main_process_ip", "127.0.0.1",
-            "--same_network", "--rdzv_backend", "static"]  # rank 0 on machine 0 (docs/MULTI_GPU.md)
-    argv = (["--config_file", config_file] if mode.startswith("fsdp") else ["--multi_gpu"]) + argv
-    if mode == "fsdp1":
-        argv += ["--fsdp_version", "1"]
+    argv = launch_argv(mode, nproc, config_file, nnodes, node_rank, port)
     args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv + ["dummy.py"]))
     env = prepare_multi_gpu_env(args)
     if mode == "fsdp1":  # FSDP1's plugin refuses to sync module states on CPU; not what is tested

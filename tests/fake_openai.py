@@ -161,11 +161,15 @@ class FakeOpenAIServer:
                         return self._send(200, b"this is not json{")
                     if fault == "400":
                         return self._send(400, b'{"error": {"message": "maximum context length exceeded"}}')
+                    if fault == "400format":  # a refusal that names the format, whatever was asked
+                        return self._send(400, b'{"error": {"message": "response_format unsupported"}}')
                     if fault == "echo_key":
                         echo = json.dumps(
                             {"error": {"message": f"bad request from {self.headers.get('Authorization')}"}})
                         return self._send(500, echo.encode())
                     content = _CONTENT[fault] if fault in _CONTENT else server.responder(req["messages"])
+                    if fault == "echo_key_ok":  # a 200 whose answer does not parse, and echoes the key
+                        content = f"cannot read a request from {self.headers.get('Authorization')}"
                     if fault == "surrogate":  # an escape in the JSON text: "\\ud83d"
                         content = padded(content, "\ud83d")
                     if fault == "surrogate_raw":  # the character itself in the content string

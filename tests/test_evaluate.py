@@ -1029,6 +1029,27 @@ def test_a_model_with_no_scored_dialogue_exits_non_zero_and_the_rerun_continues(
     assert [r["outcome"] for r in again] == ["max_turns"] * 2
 
 
+def test_a_key_echoed_in_an_answer_reaches_no_log_transcript_or_error_line(tmp_path, capsys, caplog, monkeypatch):
+    """Faults round six, item 4: a server that echoes the API key inside a 200 answer that does
+    not parse put `Bearer sk-...` in the warning, in the dialogue's recorded error (written to
+    transcripts.jsonl) and in evaluate.py's last line. Every text a server sent has the key cut
+    out before it is logged or stored."""
+    secret = "sk-test-DO-NOT-LEAK-0987654321"
+    monkeypatch.setenv("RLVER_TEST_KEY", secret)
+    caplog.set_level(logging.DEBUG)
+    args = [*SMALL, "--limit", "1", *OPENAI, "--simulator-api-key-env", "RLVER_TEST_KEY", "--judge", "none",
+            "--output-dir", str(tmp_path)]
+    with FakeOpenAIServer(api_key=secret, faults=["echo_key_ok"] * 100) as srv:
+        assert main(args + ["--simulator-base-url", srv.base_url]) == 1
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    transcripts = (tmp_path / "tiny" / "transcripts.jsonl").read_text()
+    assert "cannot read a request from Bearer ***" in line, line
+    assert "Bearer ***" in transcripts and "Bearer ***" in caplog.text
+    assert secret not in err + transcripts + caplog.text
+    assert not [f for f in tmp_path.rglob("*") if f.is_file() and secret.encode() in f.read_bytes()]
+
+
 def fake_snapshot(hub, repo: str, revision: str, weights: bytes):
     """A Hugging Face cache entry as a download leaves it: snapshots/<rev>/ and refs/main."""
     root = hub / f"models--{repo.replace('/', '--')}"
@@ -1213,11 +1234,47 @@ def test_an_evaluation_that_starts_at_100_counts_success_after_a_reply(tmp_path,
     assert s["success_rate"] == sum(reached) / len(recs) and not all(reached), [r["emotion_trace"] for r in recs]
 
 
-def test_a_score_file_with_no_scored_dialogue_ends_with_its_summary_not_a_traceback(tmp_path, capsys):
-    """The closing summary prints each row's Sentient score; a --score file whose dialogues all
-    failed has none (None), which the summary says as n/a instead of raising a TypeError."""
+def test_a_score_file_with_no_scored_dialogue_is_one_line_and_non_zero(tmp_path, capsys):
+    """Faults round six, item 5: a --score file whose dialogues all failed exited 0 with a row
+    of no score (a --model row with none exits 1). It is refused before any work: one line
+    naming the file and what its dialogues were, exit 2."""
     path = tmp_path / "failed.jsonl"
     path.write_text(json.dumps({"scenario_id": "p0", "emotion": 30, "outcome": "simulator_error", "turns": 0,
                                 "emotion_trace": [30], "valid": False}) + "\n")
-    main(["--score", str(path), "--judge", "none", "--output-dir", str(tmp_path / "o")])
-    assert "done: 1 rows (Sentient: failed n/a)" in capsys.readouterr().out
+    assert main(["--score", str(path), "--judge", "none", "--output-dir", str(tmp_path / "o")]) == 2
+    assert last_error(capsys) == (f"evaluate.py: error: --score {path}: no dialogue in it was scored "
+                                  f"(1 dialogues: 1 simulator errors, 0 never appraised)")
+
+
+BIG = 10 ** 400  # a number JSON and Python hold, and no float
+
+
+@pytest.mark.parametrize("change, msg", [
+    ({"turns": BIG}, f"'turns' must be an integer in [0, 1000000], got {str(BIG)[:40]}"),
+    ({"emotion_trace": [30, BIG]}, f"'emotion_trace' holds {str(BIG)[:40]}, not an emotion in [-100, 100]"),
+    ({"reply_lengths": [BIG]}, f"'reply_lengths' holds {str(BIG)[:40]}, not a reply length in [0, 1000000]"),
+    ({"reply_lengths": [-254]}, "'reply_lengths' holds -254, not a reply length in [0, 1000000]"),
+    ({"reply_lengths": [float("nan")]}, "'reply_lengths' holds nan, not a reply length in [0, 1000000]"),
+    ({"judge": "rule", "capability": {"empathic_depth": BIG}}, "'capability' must map each of empathic_depth, "),
+    ({"judge": "rule", "strategies": [["validation", "mind reading"]]}, "'strategies' must be a list (a turn each)"),
+])
+def test_a_score_file_with_numbers_out_of_range_is_one_line(change, msg, tmp_path, capsys):
+    """Item 5: a 400-digit turn count, trace value or reply length ended in an OverflowError
+    traceback; negative reply lengths were scored ("reply chars -254"); a judged file's capability
+    score of 400 digits (OverflowError) or an unknown strategy label (KeyError) too."""
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"scenario_id": "a", "outcome": "max_turns", "emotion": 40, "turns": 1,
+                             "emotion_trace": [30, 40], **change}) + "\n")
+    assert main(["--score", str(p), "--reply-stats", "--output-dir", str(tmp_path / "o")]) == 2
+    assert last_error(capsys).startswith(f"evaluate.py: error: {p}:1: {msg}")
+
+
+def test_an_integer_id_twice_is_refused_as_a_string_id_is(tmp_path, capsys):
+    """Item 5: ids were checked for repeats only when they were strings: id 1 twice counted twice
+    (docs/RELIABILITY.md says a repeated id is refused). 1 and "1" are two ids."""
+    p = tmp_path / "t.jsonl"
+    rows = [{"id": 1, "emotion": 50}, {"id": "1", "emotion": 60}, {"id": 1, "emotion": 70}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--score", str(p), "--output-dir", str(tmp_path / "o")]) == 2
+    assert last_error(capsys) == (f"evaluate.py: error: {p}: dialogue 1 appears twice (line 1 and line 3): "
+                                  f"a score counts each dialogue once")

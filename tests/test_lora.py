@@ -216,3 +216,97 @@ def test_train_refuses_an_adapter_folder_and_a_model_with_nothing_to_adapt(tmp_p
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     with pytest.raises(InputError, match="no linear projection"):
         add_adapter(gpt2, ARGS, "gpt2")
+
+
+# ---------------------------------------------------------------- faults, round six: item 8
+def test_a_tiny_adapter_evaluated_with_another_seed_gets_the_base_it_was_trained_on(tmp_path):
+    """A tiny-model adapter loaded with another --seed got another random base (max abs diff
+    0.128 against final/). final/adapter records the seed its base was built with and uses it."""
+    assert main(["--algo", "grpo", "--steps", "2", *RUN, "--lora-rank", "4", "--seed", "3",
+                 "--output-dir", str(tmp_path)]) == 0
+    assert json.load(open(tmp_path / "final" / "adapter" / "tiny_base.json")) == {"seed": 3}
+    final = load_file(tmp_path / "final" / "model.safetensors")
+    loaded, _ = load_policy(str(tmp_path / "final" / "adapter"), seed=0)  # evaluate.py --seed 0
+    state = loaded.state_dict()
+    assert all(torch.equal(v, state[k]) for k, v in final.items())
+
+
+def test_target_modules_are_applied_and_recorded_sorted_without_blanks(tmp_path):
+    """--lora-target-modules "," was applied as every projection but recorded as ","; a list in
+    another order or spacing was refused on resume. The list is normalised before it is applied
+    and recorded; a resume naming the same modules otherwise is accepted."""
+    base = ["--algo", "grpo", "--steps", "2", *RUN, "--lora-rank", "4"]
+    assert main([*base, "--lora-target-modules", " v_proj,q_proj, ", "--output-dir", str(tmp_path / "a")]) == 0
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000002"
+    assert json.load(open(ckpt / "trainer_state.json"))["config"]["lora_target_modules"] == "q_proj,v_proj"
+    assert json.load(open(tmp_path / "a" / "final" / "adapter" / "adapter_config.json"))["target_modules"] in (
+        ["q_proj", "v_proj"], ["v_proj", "q_proj"])
+    assert main([*base, "--steps", "3", "--lora-target-modules", "q_proj,v_proj,q_proj", "--resume", str(ckpt),
+                 "--output-dir", str(tmp_path / "b")]) == 0
+    assert main([*base, "--lora-target-modules", ",", "--output-dir", str(tmp_path / "c")]) == 0
+    state = json.load(open(tmp_path / "c" / "checkpoints" / "step_000002" / "trainer_state.json"))
+    assert state["config"]["lora_target_modules"] == ""  # every projection, as applied
+
+
+def test_a_lora_resume_may_turn_the_kl_on_or_off(tmp_path):
+    """Turning --kl-coef on or off on a LoRA resume was refused ("saved without a KL reference
+    model"), though a LoRA reference is the base with the adapter off and is never saved."""
+    base = ["--algo", "grpo", "--steps", "2", *RUN, "--lora-rank", "4"]
+    assert main([*base, "--output-dir", str(tmp_path / "a")]) == 0
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000002"
+    assert main([*base, "--steps", "3", "--kl-coef", "0.1", "--resume", str(ckpt),
+                 "--output-dir", str(tmp_path / "b")]) == 0
+    ckpt = tmp_path / "b" / "checkpoints" / "step_000003"
+    assert main([*base, "--steps", "4", "--resume", str(ckpt), "--output-dir", str(tmp_path / "c")]) == 0
+
+
+def test_a_target_module_that_matches_nothing_is_refused_before_any_weight_loads(tmp_path, capsys, monkeypatch):
+    """A target module that matched nothing was found after the policy's weights were loaded
+    (minutes for a 7B model). The names are checked on the model's configuration first."""
+    import train
+
+    def no_loading(*a, **k):
+        raise AssertionError("the models were loaded")
+    monkeypatch.setattr(train, "load_models", no_loading)
+    assert main(["--steps", "2", *RUN, "--lora-rank", "4", "--lora-target-modules", "q_proj,nope",
+                 "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("train.py: error: --lora-target-modules: nope matches no linear projection of tiny")
+
+
+def test_the_empty_model_names_the_modules_the_loaded_one_has():
+    """The check above reads an empty model (plumbing.models.empty_model: meta device, from the
+    configuration): its projections are those of the model loaded whole."""
+    from plumbing.lora import linear_targets
+    from plumbing.models import empty_model, smollm2_missing
+    if smollm2_missing():
+        pytest.skip(smollm2_missing())
+    empty = empty_model("smollm2")
+    assert next(empty.parameters()).device.type == "meta"
+    assert linear_targets(empty) == linear_targets(load_policy("smollm2")[0]) != []
+
+
+def test_a_lora_resume_of_the_tiny_model_with_another_seed_is_refused(tmp_path, capsys):
+    """From a review: a LoRA checkpoint holds the adapter, not the frozen base, which the tiny
+    model builds from --seed: a resume with another seed put the adapter on another base."""
+    base = ["--algo", "grpo", "--steps", "2", *RUN, "--lora-rank", "4"]
+    assert main([*base, "--output-dir", str(tmp_path / "a")]) == 0
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000002"
+    assert main([*base, "--steps", "3", "--seed", "1", "--resume", str(ckpt), "--output-dir", str(tmp_path / "b")]) == 2
+    assert "saved by a run with --seed 0, this run has --seed 1" in capsys.readouterr().err
+
+
+def test_a_critic_with_nothing_to_adapt_is_refused_before_any_weight_loads(tmp_path, capsys, monkeypatch):
+    """From a review: PPO's --critic-model gets the adapter too; its modules are checked on its
+    configuration as the policy's are, before the loading."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import train
+
+    def no_loading(*a, **k):
+        raise AssertionError("the models were loaded")
+    monkeypatch.setattr(train, "load_models", no_loading)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=300)).save_pretrained(tmp_path / "gpt2")
+    assert main(["--algo", "ppo", "--steps", "2", *RUN, "--lora-rank", "4", "--critic-model", str(tmp_path / "gpt2"),
+                 "--output-dir", str(tmp_path / "out")]) == 2
+    assert "has no linear projection (nn.Linear) to adapt" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -189,3 +189,52 @@ def test_a_final_model_the_main_process_cannot_write_ends_every_node_in_one_line
     assert any("the main process could not write it" in line and "--node-rank 1" in line for line in lines), lines
     assert all("step_000001 (after step 1)" in line for line in lines), lines
     assert not os.path.exists(tmp_path / "final")
+
+
+@pytest.mark.parametrize("fault", ["metrics", "truncate"])
+def test_logs_the_main_process_cannot_write_end_every_node_in_one_line(fault, tmp_path):
+    """Faults round six, item 3: the main process cannot append to metrics.jsonl (a full disk),
+    or cannot put back the logs a resume cuts to its step: node 0 said why and node 1 ended in a
+    gloo traceback ("Connection closed by peer"; on NCCL it would wait out the process-group
+    timeout). Every process learns the outcome; each node says it in one line, exit 1."""
+    if fault == "truncate":  # a checkpoint and logs to resume from
+        rc, log = launch_nodes("ddp", 1, "train.py", *TINY, "--steps", "1", "--output-dir", str(tmp_path),
+                               timeout=200)
+        assert rc == 0, log[-3000:]
+    rc, log = launch_nodes("ddp", 1, "tests/mp_save_fault.py", *TINY, "--steps", "2", "--output-dir", str(tmp_path),
+                           *(["--resume", "auto"] if fault == "truncate" else []), timeout=200,
+                           env={"RLVER_TEST_FAULT": fault})
+    lines = error_lines(log)
+    assert rc == 1 and "Traceback" not in log, log[-3000:]
+    assert len(lines) == 2, lines
+    assert any("No space left on device" in line or "Disk quota exceeded" in line for line in lines), lines
+    assert any("the main process could not" in line and "--node-rank 1" in line for line in lines), lines
+    assert not os.path.exists(tmp_path / "final") or fault == "truncate"
+
+
+def test_the_rehearsal_launches_with_the_slurm_recipes_arguments():
+    """Faults round six, item 9: the recipe relied on the config file's `same_network: true`,
+    which accelerate never applies (its --same_network defaults to False, not None), while the
+    rehearsal passed --same_network itself: two routes. The FSDP2 rehearsal now launches with the
+    recipe's arguments, flag for flag and value for value (the SLURM variables as node 1 of 2
+    expands them), --mixed_precision no aside (CPU processes); the config file holds no
+    same_network key."""
+    import shlex
+
+    import yaml
+
+    from cpu_launch import DEFAULT_CONFIG, launch_argv
+
+    def pairs(argv):  # {flag: its value, or None for a switch}
+        return {a: (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None)
+                for i, a in enumerate(argv) if a.startswith("--")}
+    doc = open(os.path.join(ROOT, "docs", "MULTI_GPU.md"), encoding="utf-8").read()
+    recipe = doc[doc.index("srun bash -c 'accelerate launch") + len("srun bash -c 'accelerate launch"):]
+    recipe = recipe[:recipe.index("train.py")].replace("\\\n", " ")
+    for var, value in (("$((8 * SLURM_NNODES))", "4"), ("$SLURM_NNODES", "2"), ("$SLURM_NODEID", "1"),
+                       ("$MAIN_IP", "127.0.0.1"), ("configs/fsdp_8gpu.yaml", DEFAULT_CONFIG)):
+        recipe = recipe.replace(var, value)
+    rehearsal = pairs(launch_argv("fsdp2", 2, DEFAULT_CONFIG, 2, 1, 29500))
+    assert rehearsal.pop("--mixed_precision") == "no"
+    assert pairs(shlex.split(recipe)) == rehearsal
+    assert "same_network" not in yaml.safe_load(open(DEFAULT_CONFIG))

@@ -371,12 +371,13 @@ def test_a_call_without_a_schema_never_steps_the_endpoint_off_the_schema():
     assert srv.requests[-1]["body"]["response_format"]["type"] == "json_schema"
 
 
-def test_a_400_in_every_format_is_a_failed_try_and_no_step_down(caplog):
-    """Item 1: a 400 for another reason (the context is too long) is refused in every format:
-    one failed try (schema, JSON mode, plain text asked at once), and the endpoint keeps the
-    schema; the next try is answered in it."""
+def test_a_400_about_something_else_is_a_failed_try_and_no_step_down(caplog):
+    """Faults round six, item 2: a 400 that does not name the format ("maximum context length
+    exceeded") stepped a schema endpoint down to JSON mode for the rest of the run (two of them:
+    plain text), the warning saying the server "refused structured outputs". It is a failed try in
+    the format asked; the endpoint keeps the schema and the next try is answered in it."""
     caplog.set_level(logging.WARNING)
-    with FakeOpenAIServer(faults=["400"] * 3) as srv:
+    with FakeOpenAIServer(faults=["400"]) as srv:
         b = backend(srv)
         sim = simulator(b, initial_emotion=30, max_turns=3)
         st = play(sim)
@@ -384,17 +385,50 @@ def test_a_400_in_every_format_is_a_failed_try_and_no_step_down(caplog):
     assert st.outcome == "max_turns" and [t["change"] for t in st.trace] == [3, 3, 3], st.trace
     assert counts["parse_retries"] == 1 and b.format == "json_schema"
     types = [r["body"].get("response_format", {}).get("type") for r in srv.requests]
-    assert types[:4] == ["json_schema", "json_object", None, "json_schema"], types
+    assert types[:2] == ["json_schema", "json_schema"] and set(types) == {"json_schema"}, types
     assert "refused" not in caplog.text and "context length" in caplog.text
 
 
-def test_a_server_that_refuses_every_format_fails_each_call_in_one_try_each():
-    """Item 1: a 4xx to every request is a failed try per call (three requests, at once), never a
-    step-down (nothing was answered) and never an exception out of the simulator."""
-    with FakeOpenAIServer(faults=["400"] * 100) as srv:
+@pytest.mark.parametrize("status, message, steps", [
+    (400, "maximum context length exceeded", False), (400, "max_tokens is too large: 9000", False),
+    (400, "This model's maximum context length is 128000 tokens. However, your messages resulted in 137655 "
+          "tokens (including 348 in the response_format schemas.). Please reduce the length of the messages.",
+     False),
+    (422, "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096", False),
+    (400, "response_format json_schema unsupported", True), (422, DEEPSEEK_422, True), (400, XGRAMMAR_400, True),
+    (422, "body -> response_format -> type: value is not a valid enumeration member", True),
+    (429, "response_format rate limit", False), (401, "json_schema", False)])
+def test_only_an_error_that_names_the_format_is_a_refusal_of_it(status, message, steps):
+    """Item 2: the rule itself, per message (plumbing.backends.refuses_format)."""
+    from plumbing.backends import refuses_format
+    assert refuses_format(status, message) is steps
+
+
+def test_a_step_down_answered_by_no_chat_completion_is_not_kept(caplog):
+    """Item 2: the schema refused (a 400 naming it), then the JSON-mode request answered with a
+    body that is not a chat completion: the endpoint stepped down all the same. That call is a
+    failed try and the endpoint keeps the schema; the next call, answered in JSON mode, steps
+    it down, logged once."""
+    caplog.set_level(logging.WARNING)
+    with FakeOpenAIServer(schema=False, faults=["ok", "badbody"]) as srv:
+        b = backend(srv)
+        msgs, schema = [{"role": "user", "content": "hi"}], {"type": "object"}
+        with pytest.raises(ValueError, match="malformed chat-completions response"):
+            b.chat(msgs, schema=schema)
+        assert b.format == "json_schema" and "refused" not in caplog.text
+        assert b.chat(msgs, schema=schema) and b.format == "json_object"
+    assert caplog.text.count("refused structured outputs (a JSON schema)") == 1
+
+
+@pytest.mark.parametrize("fault, requests", [("400format", 6), ("400", 2)])
+def test_a_server_that_refuses_every_format_fails_each_call_in_one_try_each(fault, requests):
+    """Item 1: a 4xx to every request is a failed try per call (a refusal naming the format:
+    three requests at once, one per format; another 400: one request), never a step-down
+    (nothing was answered) and never an exception out of the simulator."""
+    with FakeOpenAIServer(faults=[fault] * 100) as srv:
         b = backend(srv)
         st = play(simulator(b, initial_emotion=30, parse_retries=2))
-    assert st.outcome == "simulator_error" and len(srv.requests) == 6 and b.format == "json_schema"
+    assert st.outcome == "simulator_error" and len(srv.requests) == requests and b.format == "json_schema"
 
 
 def longest_answers(max_tokens: int, char: str) -> dict:
@@ -476,3 +510,13 @@ def test_a_malformed_body_never_shows_part_of_the_key(monkeypatch):
         with pytest.raises(ValueError) as e:
             b._content(body)
         assert SECRET[:4] not in str(e.value) and "malformed chat-completions response" in str(e.value), str(e.value)
+
+
+def test_a_key_of_a_few_characters_is_not_cut_out_of_answers(monkeypatch):
+    """Item 4, from a review: every answer has the key cut out; a placeholder key ("1", which a
+    local server takes) turned '"change": 10' into '"change": ***0' and every "1" of a reply
+    into "***". Only a key of 8 characters or more is a secret to cut."""
+    monkeypatch.setenv("RLVER_TEST_KEY", "1")
+    with FakeOpenAIServer(responder=lambda m: '{"analysis": "I feel 1 bit better", "change": 10}') as srv:
+        b = backend(srv)
+        assert b.chat([{"role": "user", "content": "hi"}]) == '{"analysis": "I feel 1 bit better", "change": 10}'

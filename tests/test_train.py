@@ -637,6 +637,63 @@ def test_a_run_that_stops_on_its_last_step_saves_no_checkpoint_of_it(tmp_path, c
     assert not (tmp_path / "final").exists()
 
 
+def dead_user_run(tmp_path, *flags):
+    """train.py against a simulated user whose every answer is unparseable -> its exit code."""
+    from fake_openai import FakeOpenAIServer
+    with FakeOpenAIServer(fault_rate=1.0, fault_kinds=("garbage",), max_faults_in_a_row=10 ** 9) as srv:
+        return main([*QUICK, *flags, "--simulator", "openai", "--simulator-base-url", srv.base_url,
+                     "--simulator-model", "fake", "--output-dir", str(tmp_path)])
+
+
+def test_a_run_shorter_than_the_stop_that_never_scored_exits_non_zero(tmp_path, capsys):
+    """Faults round six, item 1: with --steps 2 (fewer than --max-unscored-steps, 3) a run whose
+    user failed every call ended exit 0 with an untrained final/. A run that never scored a step
+    now ends as the stop does: one line, exit 1, no final/, no checkpoint of its last step."""
+    rc = dead_user_run(tmp_path, "--steps", "2")
+    line = last_error_line(capsys)
+    assert rc == 1 and line.startswith("train.py: error: no dialogue was scored in 2 steps in a row (steps 0-1)"), line
+    assert "final/ was not written" in line and not (tmp_path / "final").exists()
+    assert os.listdir(tmp_path / "checkpoints") == ["step_000001"]
+
+
+def test_the_unscored_count_is_kept_across_a_resume(tmp_path, capsys):
+    """Item 1: the count of steps in a row with nothing scored lived in memory only: a run that
+    stopped (exit 1, resume suggested) and was resumed with the user still dead ended exit 0 with
+    final/. The checkpoint keeps the count: the resumed run stops at the same count."""
+    assert dead_user_run(tmp_path, "--steps", "4", "--save-every", "2") == 1
+    assert "(steps 0-2)" in last_error_line(capsys)
+    assert json.load(open(tmp_path / "checkpoints" / "step_000002" / "trainer_state.json"))["unscored"] == 2
+    rc = dead_user_run(tmp_path, "--steps", "4", "--save-every", "2", "--resume", "auto")
+    line = last_error_line(capsys)
+    assert rc == 1 and "no dialogue was scored in 3 steps in a row (steps 0-2)" in line, line
+    assert not (tmp_path / "final").exists()
+
+
+def test_a_reward_curve_that_cannot_be_drawn_is_a_warning_not_the_runs_end(tmp_path, capsys, caplog):
+    """Faults round six, item 7: a reward curve whose path is a folder (or a full disk) was a
+    traceback after final/ was written. The curve is a by-product: a warning naming the file,
+    the summary says it was not drawn, and the exit code is what training earned (0)."""
+    (tmp_path / "reward_curve.png").mkdir(parents=True)
+    rc = main([*QUICK, "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and (tmp_path / "final").is_dir()
+    assert f"{tmp_path / 'reward_curve.png'}: the reward curve was not drawn (SaveError: could not write" in caplog.text
+    assert "Is a directory" in caplog.text and (tmp_path / "reward_curve.png").is_dir()
+    assert f"curves:      {tmp_path / 'reward_curve.png'} (not drawn: SaveError" in out, out
+
+
+def test_a_checkpoint_saved_without_the_count_says_so_on_resume(tmp_path, caplog):
+    """From a review: a checkpoint saved before the count was kept resumes with the count at 0;
+    the run says so instead of silently counting from there."""
+    assert main([*QUICK, "--output-dir", str(tmp_path)]) == 0
+    state_file = tmp_path / "checkpoints" / "step_000002" / "trainer_state.json"
+    state = json.load(open(state_file))
+    del state["unscored"]
+    json.dump(state, open(state_file, "w"))
+    assert main([*QUICK, "--steps", "3", "--resume", "auto", "--output-dir", str(tmp_path)]) == 0
+    assert "holds no count of unscored steps: --max-unscored-steps counts from step 2" in caplog.text
+
+
 def test_a_step_that_scores_again_resets_the_count(tmp_path):
     """Item 2: the stop counts steps in a row; with --max-unscored-steps 2 a run whose every
     other step fails goes to the end."""
@@ -727,6 +784,27 @@ def test_print_config_refuses_a_reader_the_run_would_refuse(capsys, tmp_path):
         with pytest.raises(SystemExit) as stop:
             main(["--preset", "tiny", "--user-reader", reader, "--output-dir", str(tmp_path), "--print-config"])
         assert stop.value.code == 2 and f"train.py: error: --user-reader {reader}: {why}" in capsys.readouterr().err
+
+
+INT_FLAGS = [f.name for f in dataclasses.fields(Config) if f.type in (int, "int")]
+
+
+def test_every_integer_flag_takes_an_absurd_value_as_one_line(tmp_path, capsys):
+    """Faults round six, item 6: every integer flag of train.py and evaluate.py given 2**31 or a
+    400-digit number is one line naming it, exit 2, before any model loads (the floors were
+    checked; a ceiling only for --seed)."""
+    import evaluate
+    assert len(INT_FLAGS) >= 15, INT_FLAGS
+    for name in INT_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        for value in (str(2 ** 31), "9" * 400):
+            assert main([*QUICK, flag, value, "--output-dir", str(tmp_path / name)]) == 2, (flag, value)
+            err = capsys.readouterr().err
+            assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"train.py: error: {flag} "), \
+                (flag, err[-300:])
+    for flag in ("--limit", "--max-turns", "--max-new-tokens", "--max-total-tokens", "--batch-size", "--judge-workers"):
+        assert evaluate.main(["--model", "tiny", flag, str(2 ** 31), "--output-dir", str(tmp_path / "e")]) == 2
+        assert f"evaluate.py: error: {flag} {2 ** 31}: must be an integer" in capsys.readouterr().err, flag
 
 
 @pytest.mark.parametrize("flag,value", [("--seed", "-1"), ("--seed", "4294967296"), ("--warmup-steps", "-2")])
