@@ -181,16 +181,26 @@ def write_pairs(eval_dir: str, base: str, trained: str, seed: int, out_dir: str)
     return out_dir
 
 
+def pairs_sha256(blind_dir: str) -> str:
+    """What the readers read: the hash of the pairs file (its dialogues, not only their order)."""
+    with open(os.path.join(blind_dir, "pairs.md"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
 def preferred(labels_path: str, key_path: str) -> dict:
     """Line f from the readers' labels: one JSON line per reader and pair, {"reader", "pair",
-    "scenario_id", "choice": "A" | "B" | "tie", "trained": "A" | "B"}, each checked against the
-    pairs' key (write_pairs): labels of other pairs say nothing of these."""
+    "scenario_id", "choice": "A" | "B" | "tie", "trained": "A" | "B", "pairs_sha256"}, each
+    checked against the pairs' key (write_pairs) and the pairs file beside it (pairs_sha256): the
+    key is the same for every run of a seed, so labels of another run's dialogues say nothing of
+    these."""
     if not os.path.isfile(labels_path):
         return {"met": None, "why": f"no labels in {os.path.relpath(labels_path, ROOT)}"}
     rows = jsonl(labels_path)
     with open(key_path, encoding="utf-8") as f:
         key = json.load(f)
-    if any(key.get(str(r["pair"])) != {"scenario_id": r["scenario_id"], "trained": r["trained"]} for r in rows):
+    read = pairs_sha256(os.path.dirname(key_path))
+    if any(key.get(str(r["pair"])) != {"scenario_id": r["scenario_id"], "trained": r["trained"]}
+           or r.get("pairs_sha256") != read for r in rows):
         return {"met": None, "why": f"{os.path.relpath(labels_path, ROOT)} labels other pairs than these"}
     per = collections.defaultdict(collections.Counter)
     choice = collections.defaultdict(dict)

@@ -110,3 +110,27 @@ def test_learning_toy(tmp_path):
     assert sorted(key) == ["1", "2"] and {v["trained"] for v in key.values()} <= {"A", "B"}
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "kept " in p.stdout, (p.stdout + p.stderr)[-3000:]
+
+
+def test_line_f_takes_only_labels_of_the_dialogues_read(tmp_path):
+    """Line f's key (which dialogue is the trained one) is the same for every run of a seed: the
+    labels of an earlier run's pairs matched it and were counted for a new run. Each label now
+    carries the hash of the pairs file read; labels of other dialogues are 'labels other pairs'."""
+    import hashlib
+
+    from learning import preferred
+    blind = tmp_path / "blind"
+    blind.mkdir()
+    (blind / "pairs.md").write_text("## Pair 1\n...\n")
+    (blind / "key.json").write_text(json.dumps({"1": {"scenario_id": "en-041", "trained": "B"}}))
+    sha = hashlib.sha256(b"## Pair 1\n...\n").hexdigest()[:16]
+    rows = [{"reader": r, "pair": 1, "scenario_id": "en-041", "choice": "B", "trained": "B"} for r in ("r1", "r2")]
+    labels = tmp_path / "labels.jsonl"
+    for extra, met in (({"pairs_sha256": sha}, True), ({"pairs_sha256": "another run's"}, None), ({}, None)):
+        labels.write_text("".join(json.dumps({**r, **extra}) + "\n" for r in rows))
+        got = preferred(str(labels), str(blind / "key.json"))
+        assert got["met"] is met, got  # (13 of 20 as a share: 1 of 1 pair)
+        if met is None:
+            assert "labels other pairs than these" in got["why"]
+        else:
+            assert got["readers"] == {"r1": {"trained": 1}, "r2": {"trained": 1}}
