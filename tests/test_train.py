@@ -274,12 +274,13 @@ def strict_rows(path):
 def test_a_step_whose_dialogues_all_failed_is_skipped_and_logged_as_missing(algo, extra, tmp_path):
     """Items 3 and 4: the simulator answers garbage to every call, so every dialogue ends as
     simulator_error. Log-probs of zero rows used to crash (kl > 0, epochs > 1); the step's reward
-    was logged as 0.0 and samples.jsonl got a bare NaN. Now: no update, reward null, strict JSON."""
+    was logged as 0.0 and samples.jsonl got a bare NaN. Now: no update, reward null, strict JSON
+    (and the run, which never scored a step, ends non-zero)."""
     from fake_openai import FakeOpenAIServer
     with FakeOpenAIServer(fault_rate=1.0, fault_kinds=("garbage",), max_faults_in_a_row=10 ** 9) as srv:
         rc = main(["--algo", algo, *TINY, "--steps", "2", *extra, "--simulator", "openai",
                    "--simulator-base-url", srv.base_url, "--simulator-model", "fake", "--output-dir", str(tmp_path)])
-    assert rc == 0
+    assert rc == 1 and not (tmp_path / "final").exists()
     rows = strict_rows(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:

@@ -269,7 +269,7 @@ def test_an_all_error_step_is_skipped(model_dir, tmp_path):
         rc, log = run_train("--model", model_dir, *TRAIN, "--steps", "1", "--simulator", "openai",
                             "--simulator-base-url", srv.base_url, "--simulator-model", "fake",
                             "--output-dir", str(tmp_path))
-    assert rc == 0, log[-3000:]
+    assert rc == 1 and "no dialogue was scored in 1 steps" in log, log[-3000:]  # it never scored: no final/
     [r] = rows(str(tmp_path))
     assert r["update_skipped"] == 1 and r["simulator_errors"] == r["dialogues"] == 4
 
