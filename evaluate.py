@@ -79,14 +79,20 @@ from plumbing.backends import (  # noqa: E402 (after matplotlib.use)
     SimulatorArgs,
     describe,
     identity,
-    make_backend,
     make_simulator,
 )
 from plumbing.checkpoints import SaveError, append_line, written_atomically  # noqa: E402 (after matplotlib.use)
-from plumbing.checks import InputError, check_floats, check_model_arg, lock_output_dir, make_output_dir  # noqa: E402 (after matplotlib.use)
+from plumbing.checks import (  # noqa: E402 (after matplotlib.use)
+    InputError,
+    check_floats,
+    check_model_arg,
+    checked_backend,
+    lock_output_dir,
+    make_output_dir,
+)
 from plumbing.engines import EngineArgs, VLLMEngine, engine_problem  # noqa: E402 (after matplotlib.use)
 from plumbing.logs import AGENT_ROLES, mean, reply_means, reply_measures, setup_logging  # noqa: E402 (after matplotlib.use)
-from plumbing.reader import load_reader, reply_logprob  # noqa: E402 (after matplotlib.use)
+from plumbing.reader import reply_logprob  # noqa: E402 (after matplotlib.use)
 from plumbing.scenarios import ScenarioError, eval_initial_emotion, json_line, load_scenarios  # noqa: E402 (after matplotlib.use)
 from reward import split_think  # noqa: E402 (after matplotlib.use)
 from rollout import RolloutConfig, build_system_prompt, rollout, sampling_settings  # noqa: E402 (after matplotlib.use)
@@ -804,11 +810,7 @@ def main(argv=None):
         if args.model:
             scenarios = load_scenarios(args.scenarios)[:args.limit]
             sim_args = SimulatorArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SimulatorArgs)})
-            make_backend(sim_args, seed=args.seed)  # every flag checked before the reader loads
-            backend = make_backend(sim_args, seed=args.seed,
-                                   reader=load_reader(args.user_reader) if args.simulator == "rule" else None)
-            if hasattr(backend, "check"):
-                backend.check()
+            backend = checked_backend(sim_args, seed=args.seed)  # as train.py: the flags, the reader, the endpoint
             for m in args.model:
                 check_model_arg("--model", m, adapters=True)
                 problem = engine_problem(args, m, torch.cuda.is_available())
