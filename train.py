@@ -133,7 +133,7 @@ PRESETS = {
     # values"); generating with vLLM where it is installed (the cheaper step), else with generate.
     "smollm2-cpu": dict(model="smollm2", engine=VLLM_IF_INSTALLED, steps=80, batch_size=4, max_turns=3,
                         max_new_tokens=40, actor_lr=1e-4, actor_warmup_ratio=0.1, critic_lr=1e-4, save_every=20,
-                        user_reader="smollm2", kl_coef=0.1),
+                        user_reader="smollm2", kl_coef=0.2),
     "paper": dict(model="Qwen/Qwen2.5-7B-Instruct", think=True, simulator="openai", steps=1000, batch_size=32,
                   max_new_tokens=512, max_total_tokens=8192, actor_lr=1e-6, critic_lr=5e-6, actor_warmup_ratio=0.02,
                   critic_warmup_ratio=0.05, entropy_coef=1e-3, micro_batch_size=2, gradient_checkpointing=True,
@@ -162,8 +162,8 @@ def train(cfg: Config) -> dict:
     # Mixed precision keeps fp32 master weights: with bf16 weights AdamW's small updates (lr 1e-6
     # on weights ~1e-2) would round away. FSDP2 loads in bf16 (half the host memory while loading)
     # and accelerate upcasts the sharded trainable weights to fp32; LoRA keeps its frozen base in
-    # bf16 (15 GB for 7B) and its adapter in fp32; otherwise load in fp32.
-    policy, tok, critic, ref, attn = load_models(cfg, dtype, dtype if fsdp or cfg.lora_rank else torch.float32)
+    # bf16 (15 GB for 7B) and its adapter in fp32; otherwise load in fp32 (the frozen KL reference: bf16).
+    policy, tok, critic, ref, attn = load_models(cfg, dtype if fsdp or cfg.lora_rank else torch.float32)
     if accelerator.is_main_process:
         log.info("policy %s | simulated user: %s, %s user | attention: %s | precision: %s | processes: %d%s",
                  cfg.model, describe(backend), cfg.user, attn, mp, accelerator.num_processes,

@@ -320,29 +320,36 @@ def load_policy(name: str, seed: int = 0, dtype=torch.float32, attn_implementati
     return model, tok
 
 
-def load_models(cfg, dtype, train_dtype=None):
+# The frozen KL reference is read in bfloat16, whatever the trained models' dtype: it is never
+# trained (no small updates to round away, the reason the trained weights stay fp32), and on a
+# CPU its pass is half the float32 one (the smollm2-cpu preset: about 3 s of a step saved; its
+# log-probs within 0.03 nats a token on average: python benchmarks/bench_reference.py). On a
+# GPU it is bfloat16 under mixed precision anyway, as verl's reference is.
+REF_DTYPE = torch.bfloat16
+
+
+def load_models(cfg, train_dtype):
     """-> policy, tokenizer, critic (PPO only), reference (kl_coef > 0 only) and the attention
-    implementation. The trained models load in `train_dtype` (default `dtype`), the frozen
-    reference in `dtype`. --lora-rank R: the policy and the critic's backbone get a LoRA adapter
+    implementation. The trained models load in `train_dtype`, the frozen reference in REF_DTYPE.
+    --lora-rank R: the policy and the critic's backbone get a LoRA adapter
     (plumbing/lora.py), seeded alike on every process, before gradient checkpointing (and before
     accelerate.prepare, in train.py); no reference is loaded: it is the policy with its adapter
     disabled (plumbing.lora.ReferencePolicy)."""
     attn = pick_attn_implementation()
-    train_dtype = train_dtype or dtype
     policy, tok = load_policy(cfg.model, cfg.seed, train_dtype, attn)
     critic = ref = None
     if cfg.model == "tiny":
         if cfg.algo == "ppo":
             critic = ValueModel.from_config(policy.config)
         if cfg.kl_coef > 0 and not cfg.lora_rank:
-            ref = copy.deepcopy(policy)
+            ref = copy.deepcopy(policy).to(REF_DTYPE)
     else:
         path = resolve_model(cfg.model)  # 'smollm2' -> its cached HF directory
         if cfg.algo == "ppo":  # the paper initialises the critic from the policy's checkpoint
             critic_path = resolve_model(cfg.critic_model) if cfg.critic_model else path
             critic = ValueModel.from_pretrained(critic_path, dtype=train_dtype, attn_implementation=attn)
         if cfg.kl_coef > 0 and not cfg.lora_rank:
-            ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+            ref = AutoModelForCausalLM.from_pretrained(path, dtype=REF_DTYPE, attn_implementation=attn)
     if ref is not None:
         ref.requires_grad_(False).eval()
     if cfg.lora_rank:
