@@ -283,6 +283,19 @@ def test_bench_goal_reader_toy(tmp_path, monkeypatch):
         assert rows and len({r["id"] for r in rows}) == len(rows), labels
 
 
+def test_bench_reference_toy(tmp_path):
+    """The KL reference's pass in both precisions at toy size (the tiny model, 2 dialogues): both
+    rows, the same tokens read, bfloat16 within a tenth of a nat a token of float32, and the KL the
+    rounding alone shows is tiny and not negative (k3)."""
+    rc, out, log, res = bench(tmp_path, "bench_reference.py", "--model", "tiny", "--dialogues", "2", "--repeats", "1")
+    assert rc == 0, log[-3000:]
+    r = res["results"]
+    assert res["failed"] == {} and set(r) == {"float32", "bfloat16"} and r["float32"]["time_ratio"] == 1.0
+    assert r["float32"]["seconds"] > 0 and r["bfloat16"]["seconds"] > 0 and "2 dialogues" in out
+    assert 0 < r["bfloat16"]["mean_abs_diff"] <= r["bfloat16"]["max_abs_diff"] < 0.1
+    assert 0 <= r["bfloat16"]["rounding_kl"] < 1e-3
+
+
 def test_bench_reader_toy(tmp_path):
     """The rule user's reader at toy size: 3 replies, both precisions, the share of a step read
     from a metrics file; bfloat16 stays within a tenth of a nat a token of float32."""
