@@ -322,8 +322,8 @@ def load_policy(name: str, seed: int = 0, dtype=torch.float32, attn_implementati
 
 # The frozen KL reference is read in bfloat16, whatever the trained models' dtype: it is never
 # trained (no small updates to round away, the reason the trained weights stay fp32), and on a
-# CPU its pass is half the float32 one (the smollm2-cpu preset: about 3 s of a step saved; its
-# log-probs within 0.03 nats a token on average: python benchmarks/bench_reference.py). On a
+# CPU its pass is under half the float32 one (the smollm2-cpu preset: about 2.7 s of a step saved;
+# its log-probs 0.04 nats a token from float32's on average: python benchmarks/bench_reference.py). On a
 # GPU it is bfloat16 under mixed precision anyway, as verl's reference is.
 REF_DTYPE = torch.bfloat16
 
