@@ -1,6 +1,6 @@
 """Does it learn? One command re-measures everything the README says about learning.
 
-    python benchmarks/learning.py --seed 0 --seed 1      # about 55 minutes a seed on 2 CPU cores
+    python benchmarks/learning.py --seed 0 --seed 1      # about 45 minutes a seed on 2 CPU cores
 
 For each seed it trains with the smollm2-cpu preset (`python train.py --algo grpo --preset
 smollm2-cpu --seed S`), plays the 20 held-out scenarios (data/scenarios_test.jsonl) with the base
